@@ -1,0 +1,585 @@
+//! `kvo_manager_*`: the offload tier index ([`crate::manager::Manager`]) behind a C handle.
+
+use super::{
+    Failure, FfiResult, guard, handle, kvo_status, lock, non_null, read_config, slice, slice_mut,
+    write,
+};
+use crate::manager::{Lookup, Manager, ManagerConfig, ManagerStats, Policy};
+use std::sync::Mutex;
+
+/// Eviction policies (values of `kvo_manager_config.policy`).
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvo_policy {
+    /// Least recently used first.
+    Lru = 0,
+    /// Adaptive replacement cache (vLLM's ARC arithmetic).
+    Arc = 1,
+}
+
+/// Answers of `kvo_manager_lookup`.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvo_lookup {
+    /// Not stored.
+    Miss = 0,
+    /// Stored and ready to load.
+    Hit = 1,
+    /// Its store is in flight: ask again later.
+    Retry = 2,
+}
+
+/// Configuration of a manager. Fill it with `kvo_manager_config_default`, then change fields.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvo_manager_config {
+    /// `sizeof(kvo_manager_config)`, set by `kvo_manager_config_default`.
+    pub struct_size: usize,
+    /// Width of every key in bytes, 1..=64 (default 32).
+    pub key_len: u32,
+    /// A `kvo_policy` value (default `KVO_POLICY_LRU`).
+    pub policy: u32,
+    /// Number of host slots, below 2^32 - 1 (default 0).
+    pub num_slots: u64,
+    /// When >= 2, a key is stored only after this many lookups (default 0: off).
+    pub store_threshold: u32,
+    /// Non-zero: buffer events for `kvo_manager_take_events` (default 0).
+    pub enable_events: u32,
+    /// Keys the store-threshold filter tracks, >= 1 (default 64000).
+    pub max_tracker_size: u64,
+}
+
+/// Counters and gauges of a manager. Set `struct_size` before `kvo_manager_get_stats`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct kvo_manager_stats {
+    /// `sizeof(kvo_manager_stats)` as the caller knows it; only that many bytes are written.
+    pub struct_size: usize,
+    /// Host slots.
+    pub capacity: u64,
+    /// Slots holding a key (ready or store in flight).
+    pub used: u64,
+    /// Slots whose key is ready to load.
+    pub ready: u64,
+    /// Ready slots not pinned by a load (what eviction may take).
+    pub evictable: u64,
+    /// Slots pinned by at least one load.
+    pub pinned: u64,
+    /// Slots whose store is in flight.
+    pub stores_in_flight: u64,
+    /// Keys looked up (cumulative).
+    pub lookups: u64,
+    /// Lookups answered "hit" (cumulative).
+    pub hits: u64,
+    /// Keys filtered out by the store threshold (cumulative).
+    pub stores_skipped: u64,
+    /// Keys evicted (cumulative).
+    pub evictions: u64,
+}
+
+/// One event of `kvo_manager_take_events`: keys `first_key .. first_key + n_keys` of the keys
+/// output.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct kvo_event {
+    /// Index of the event's first key in the keys output.
+    pub first_key: u64,
+    /// Number of keys.
+    pub n_keys: u64,
+    /// 1: the keys were evicted; 0: the keys became ready (stored).
+    pub removed: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+/// An offload tier index: keys, host slots, eviction. Opaque.
+pub struct kvo_manager {
+    inner: Mutex<Manager>,
+}
+
+impl kvo_manager {
+    fn get(&self) -> Result<std::sync::MutexGuard<'_, Manager>, Failure> {
+        lock(&self.inner, "manager")
+    }
+}
+
+const MANAGER: &str = "manager";
+
+/// Fills `out` with the defaults and `struct_size = sizeof(kvo_manager_config)`.
+///
+/// Returns `KVO_STATUS_OK`, or `KVO_STATUS_NULL_ARGUMENT` if `out` is NULL.
+///
+/// # Safety
+/// `out` is NULL or points to a writable `kvo_manager_config`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_config_default(out: *mut kvo_manager_config) -> kvo_status {
+    guard(|| {
+        non_null(out, "out")?;
+        let d = ManagerConfig::default();
+        write(
+            out,
+            kvo_manager_config {
+                struct_size: size_of::<kvo_manager_config>(),
+                key_len: d.key_len as u32,
+                policy: kvo_policy::Lru as u32,
+                num_slots: d.num_slots as u64,
+                store_threshold: d.store_threshold,
+                enable_events: d.enable_events as u32,
+                max_tracker_size: d.max_tracker_size as u64,
+            },
+        );
+        Ok(())
+    })
+}
+
+fn to_config(c: &kvo_manager_config) -> Result<ManagerConfig, Failure> {
+    let policy = match c.policy {
+        0 => Policy::Lru,
+        1 => Policy::Arc,
+        p => {
+            return Err(Failure::invalid(format!(
+                "cfg->policy: {p} is not a kvo_policy"
+            )));
+        }
+    };
+    let num_slots = usize::try_from(c.num_slots)
+        .map_err(|_| Failure::invalid(format!("cfg->num_slots: {} is too large", c.num_slots)))?;
+    Ok(ManagerConfig {
+        key_len: c.key_len as usize,
+        num_slots,
+        policy,
+        store_threshold: c.store_threshold,
+        max_tracker_size: usize::try_from(c.max_tracker_size).unwrap_or(usize::MAX),
+        enable_events: c.enable_events != 0,
+    })
+}
+
+/// Creates a manager. On success writes a new handle to `*out`, owned by the caller and freed with
+/// `kvo_manager_free`; on failure `*out` is not written.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `cfg` or `out` is NULL;
+/// `KVO_STATUS_INVALID_ARGUMENT` for a `struct_size` too small, `key_len` outside 1..=64, an
+/// unknown policy, `num_slots` too large, or `max_tracker_size` 0 with a store threshold.
+///
+/// # Safety
+/// `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_new(
+    cfg: *const kvo_manager_config,
+    out: *mut *mut kvo_manager,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let c = unsafe { read_config(cfg, "cfg") }?;
+        non_null(out, "out")?;
+        let m = Manager::new(to_config(&c)?).map_err(|e| Failure::invalid(format!("cfg->{e}")))?;
+        write(
+            out,
+            Box::into_raw(Box::new(kvo_manager {
+                inner: Mutex::new(m),
+            })),
+        );
+        Ok(())
+    })
+}
+
+/// Frees a manager. NULL is ignored. Must not race with any other call on the same handle.
+///
+/// # Safety
+/// `m` is NULL or a handle from `kvo_manager_new` not freed yet.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvo_manager_free(m: *mut kvo_manager) {
+    let _ = guard(|| {
+        if !m.is_null() {
+            // SAFETY: a live handle from kvo_manager_new, freed once.
+            drop(unsafe { Box::from_raw(m) });
+        }
+        Ok(())
+    });
+}
+
+/// Borrows the handle and the `n_keys * key_len` bytes of `keys`, then runs `f`.
+///
+/// # Safety
+/// As for the exported functions: `m` NULL or live, `keys` NULL or `n_keys * key_len` bytes.
+unsafe fn with_keys(
+    m: *mut kvo_manager,
+    keys: *const u8,
+    n_keys: usize,
+    f: impl FnOnce(&mut Manager, &[u8]) -> FfiResult,
+) -> FfiResult {
+    // SAFETY: forwarded from the caller.
+    let h = unsafe { handle(m, MANAGER) }?;
+    let mut mgr = h.get()?;
+    let len = n_keys.checked_mul(mgr.key_len()).ok_or_else(|| {
+        Failure::invalid(format!(
+            "n_keys: {n_keys} keys of {} bytes overflow size_t",
+            mgr.key_len()
+        ))
+    })?;
+    // SAFETY: forwarded from the caller.
+    let keys = unsafe { slice(keys, len, "keys") }?;
+    f(&mut mgr, keys)
+}
+
+/// Looks up one key of `key_len` bytes and writes a `kvo_lookup` value to `*out_result`
+/// (`KVO_LOOKUP_RETRY`: its store is in flight). Counts the lookup for the store threshold; does
+/// not change recency.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `m`, `key` or `out_result` is NULL.
+///
+/// # Safety
+/// `m` is NULL or live; `key` is NULL or `key_len` readable bytes; `out_result` NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_lookup(
+    m: *mut kvo_manager,
+    key: *const u8,
+    out_result: *mut u32,
+) -> kvo_status {
+    guard(|| {
+        non_null(key, "key")?;
+        non_null(out_result, "out_result")?;
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            with_keys(m, key, 1, |mgr, k| {
+                let r = match mgr.lookup(k)? {
+                    Lookup::Miss => kvo_lookup::Miss,
+                    Lookup::Hit => kvo_lookup::Hit,
+                    Lookup::Retry => kvo_lookup::Retry,
+                };
+                write(out_result, r as u32);
+                Ok(())
+            })
+        }
+    })
+}
+
+/// Prefix lookup (the maximal-prefix rule): looks `keys` up in order until the first miss and
+/// writes the number of leading stored keys to `*out_hits`. A key whose store is in flight counts
+/// as a hit while scanning, and then `*out_retry` is 1: the answer must be retried later.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL `m`, `out_hits`, `out_retry`,
+/// or `keys` with `n_keys > 0`; `KVO_STATUS_INVALID_ARGUMENT` if `n_keys * key_len` overflows.
+///
+/// # Safety
+/// `keys` is NULL or `n_keys * key_len` readable bytes; the out-pointers NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_lookup_prefix(
+    m: *mut kvo_manager,
+    keys: *const u8,
+    n_keys: usize,
+    out_hits: *mut usize,
+    out_retry: *mut u32,
+) -> kvo_status {
+    guard(|| {
+        non_null(out_hits, "out_hits")?;
+        non_null(out_retry, "out_retry")?;
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            with_keys(m, keys, n_keys, |mgr, k| {
+                let r = mgr.lookup_prefix(k)?;
+                write(out_hits, r.hits);
+                write(out_retry, r.retry as u32);
+                Ok(())
+            })
+        }
+    })
+}
+
+/// Pins `keys` for a load and writes their slots, in input order, to `out_slots[0..n_keys]`.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` on
+/// `n_keys * key_len` overflow; `KVO_STATUS_BUFFER_TOO_SMALL` if `slots_cap < n_keys`;
+/// `KVO_STATUS_NOT_FOUND` if a key is not stored; `KVO_STATUS_INVALID_STATE` if a key's store is
+/// in flight. On failure nothing is pinned and `out_slots` is not written.
+///
+/// # Safety
+/// `keys` is NULL or `n_keys * key_len` readable bytes; `out_slots` NULL or `slots_cap` writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_prepare_load(
+    m: *mut kvo_manager,
+    keys: *const u8,
+    n_keys: usize,
+    out_slots: *mut u32,
+    slots_cap: usize,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            with_keys(m, keys, n_keys, |mgr, k| {
+                let out = slice_mut(out_slots, slots_cap, "out_slots")?;
+                mgr.prepare_load(k, out)?;
+                Ok(())
+            })
+        }
+    })
+}
+
+/// Marks `keys` as used (LRU: the first key ends most recent; ARC: promotion and target
+/// adaptation). Keys that are not stored are ignored on purpose.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` on
+/// `n_keys * key_len` overflow.
+///
+/// # Safety
+/// `keys` is NULL or `n_keys * key_len` readable bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_touch(
+    m: *mut kvo_manager,
+    keys: *const u8,
+    n_keys: usize,
+) -> kvo_status {
+    // SAFETY: forwarded from the caller.
+    guard(|| unsafe { with_keys(m, keys, n_keys, |mgr, k| Ok(mgr.touch(k)?)) })
+}
+
+/// Releases one load pin of each key (a key listed twice is released twice).
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` on
+/// overflow; `KVO_STATUS_NOT_FOUND` if a key is not stored; `KVO_STATUS_INVALID_STATE` if a key is
+/// not pinned (more often than it is pinned). On failure no pin is released.
+///
+/// # Safety
+/// `keys` is NULL or `n_keys * key_len` readable bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_complete_load(
+    m: *mut kvo_manager,
+    keys: *const u8,
+    n_keys: usize,
+) -> kvo_status {
+    // SAFETY: forwarded from the caller.
+    guard(|| unsafe { with_keys(m, keys, n_keys, |mgr, k| Ok(mgr.complete_load(k)?)) })
+}
+
+/// Reserves host slots for the keys that are not stored yet; their stores are then in flight.
+///
+/// Keys below the store threshold and keys already stored (ready or in flight) are skipped; a key
+/// listed twice is stored once. If free slots do not suffice, ready unpinned keys are evicted by
+/// the policy, never a key named in this call. Writes `*out_n_store` entries to `out_indices`
+/// (indices into `keys`, input order) and `out_slots`, and `*out_n_evicted` keys to
+/// `out_evicted_keys` (back to back, eviction order). Each output holds `out_cap` entries
+/// (`out_evicted_keys`: `out_cap * key_len` bytes); `out_cap >= n_keys` always suffices.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` on
+/// overflow; `KVO_STATUS_BUFFER_TOO_SMALL` if `out_cap < n_keys` (writes `n_keys` to
+/// `*out_n_store`); `KVO_STATUS_NO_ROOM` when not enough can be evicted now (a normal answer:
+/// retry on a later step). On any failure nothing changes.
+///
+/// # Safety
+/// `keys` is NULL or `n_keys * key_len` readable bytes; outputs NULL or writable as described.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_prepare_store(
+    m: *mut kvo_manager,
+    keys: *const u8,
+    n_keys: usize,
+    out_indices: *mut u32,
+    out_slots: *mut u32,
+    out_evicted_keys: *mut u8,
+    out_cap: usize,
+    out_n_store: *mut usize,
+    out_n_evicted: *mut usize,
+) -> kvo_status {
+    guard(|| {
+        non_null(out_n_store, "out_n_store")?;
+        non_null(out_n_evicted, "out_n_evicted")?;
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            with_keys(m, keys, n_keys, |mgr, k| {
+                if out_cap < n_keys {
+                    write(out_n_store, n_keys);
+                    return Err(Failure::new(
+                        kvo_status::BufferTooSmall,
+                        format!("out_cap: {out_cap} entries, {n_keys} needed"),
+                    ));
+                }
+                let kl = mgr.key_len();
+                let idx = slice_mut(out_indices, n_keys, "out_indices")?;
+                let slots = slice_mut(out_slots, n_keys, "out_slots")?;
+                let ev = slice_mut(out_evicted_keys, n_keys * kl, "out_evicted_keys")?;
+                let c = mgr.prepare_store_into(k, idx, slots, ev)?;
+                write(out_n_store, c.stored);
+                write(out_n_evicted, c.evicted);
+                Ok(())
+            })
+        }
+    })
+}
+
+/// Ends the stores of `keys`: `success` non-zero makes the in-flight ones ready (one stored
+/// event); zero drops them and frees their slots. Keys that are not stored or already ready are
+/// ignored on purpose (as in vLLM), so a completion may be repeated safely.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` on overflow.
+///
+/// # Safety
+/// `keys` is NULL or `n_keys * key_len` readable bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_complete_store(
+    m: *mut kvo_manager,
+    keys: *const u8,
+    n_keys: usize,
+    success: u32,
+) -> kvo_status {
+    // SAFETY: forwarded from the caller.
+    guard(|| unsafe {
+        with_keys(m, keys, n_keys, |mgr, k| {
+            Ok(mgr.complete_store(k, success != 0)?)
+        })
+    })
+}
+
+/// Takes the buffered events (oldest first): writes `*out_n_events` records to `out_events` and
+/// their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes).
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_BUFFER_TOO_SMALL` if
+/// `events_cap` or `keys_cap` (in keys) is too small: then the needed counts are written to
+/// `*out_n_events` and `*out_n_keys` and the events stay buffered.
+///
+/// # Safety
+/// `out_events` NULL or `events_cap` writable records; `out_keys` NULL or `keys_cap * key_len`
+/// writable bytes; counters NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_take_events(
+    m: *mut kvo_manager,
+    out_events: *mut kvo_event,
+    events_cap: usize,
+    out_keys: *mut u8,
+    keys_cap: usize,
+    out_n_events: *mut usize,
+    out_n_keys: *mut usize,
+) -> kvo_status {
+    guard(|| {
+        non_null(out_n_events, "out_n_events")?;
+        non_null(out_n_keys, "out_n_keys")?;
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { handle(m, MANAGER) }?;
+        let mut mgr = h.get()?;
+        let log = mgr.events();
+        let (ne, nk) = (log.len(), log.num_keys());
+        if events_cap < ne || keys_cap < nk {
+            write(out_n_events, ne);
+            write(out_n_keys, nk);
+            let which = if events_cap < ne {
+                "events_cap"
+            } else {
+                "keys_cap"
+            };
+            return Err(Failure::new(
+                kvo_status::BufferTooSmall,
+                format!("{which}: {ne} events with {nk} keys buffered"),
+            ));
+        }
+        // SAFETY: forwarded from the caller.
+        let evs = unsafe { slice_mut(out_events, ne, "out_events") }?;
+        // SAFETY: forwarded from the caller.
+        let keys = unsafe { slice_mut(out_keys, log.all_keys().len(), "out_keys") }?;
+        let log = mgr.take_events();
+        keys.copy_from_slice(log.all_keys());
+        let kl = mgr.key_len() as u64;
+        let mut first = 0u64;
+        for (slot, e) in evs.iter_mut().zip(log.iter()) {
+            let n = e.keys.len() as u64 / kl;
+            *slot = kvo_event {
+                first_key: first,
+                n_keys: n,
+                removed: e.removed as u32,
+                reserved: 0,
+            };
+            first += n;
+        }
+        write(out_n_events, ne);
+        write(out_n_keys, nk);
+        Ok(())
+    })
+}
+
+/// Writes the counters and gauges to `*out`; only `out->struct_size` bytes are written, so older
+/// callers with a shorter struct stay safe.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if
+/// `out->struct_size` is smaller than `sizeof(size_t)`.
+///
+/// # Safety
+/// `out` is NULL or points to `out->struct_size` writable bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_get_stats(
+    m: *const kvo_manager,
+    out: *mut kvo_manager_stats,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { handle(m, MANAGER) }?;
+        non_null(out, "out")?;
+        // SAFETY: non-NULL; the struct starts with a size_t.
+        let size = unsafe { (out as *const usize).read_unaligned() };
+        if size < size_of::<usize>() {
+            return Err(Failure::invalid(format!(
+                "out->struct_size: {size} is too small"
+            )));
+        }
+        let s: ManagerStats = h.get()?.stats();
+        let full = kvo_manager_stats {
+            struct_size: size_of::<kvo_manager_stats>().min(size),
+            capacity: s.capacity,
+            used: s.used,
+            ready: s.ready,
+            evictable: s.evictable,
+            pinned: s.pinned,
+            stores_in_flight: s.stores_in_flight,
+            lookups: s.lookups,
+            hits: s.hits,
+            stores_skipped: s.stores_skipped,
+            evictions: s.evictions,
+        };
+        let n = size_of::<kvo_manager_stats>().min(size);
+        // SAFETY: `out` holds `size >= n` bytes; `full` is `n` or more bytes.
+        unsafe { std::ptr::copy_nonoverlapping(&full as *const _ as *const u8, out as *mut u8, n) };
+        Ok(())
+    })
+}
+
+/// Drops every key and frees every slot, without events. Completions of jobs from before the reset
+/// must be discarded by the caller (the scheduler does). Cumulative counters are kept.
+///
+/// Returns `KVO_STATUS_OK` or `KVO_STATUS_NULL_ARGUMENT`.
+///
+/// # Safety
+/// `m` is NULL or a live handle.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_reset(m: *mut kvo_manager) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        unsafe { handle(m, MANAGER) }?.get()?.reset();
+        Ok(())
+    })
+}
+
+/// Recounts the tier's state and compares it with its counters (slot accounting, reference
+/// counts, policy lists). Meant for tests and debug builds of servers: O(slots).
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INTERNAL` with a message
+/// naming the broken invariant.
+///
+/// # Safety
+/// `m` is NULL or a live handle.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_check_invariants(m: *const kvo_manager) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        unsafe { handle(m, MANAGER) }?.get()?.check_invariants()?;
+        Ok(())
+    })
+}

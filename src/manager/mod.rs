@@ -1,0 +1,685 @@
+//! The offload tier index: which keys are stored in which host slots, their state
+//! (store in flight, ready, pinned by loads), and eviction (LRU or ARC).
+//!
+//! Behaviour follows vLLM 0.24 `CPUOffloadingManager` (reference §3) exactly: the same calls give
+//! the same answers, slots and evictions. Differences: a call that fails changes nothing (the
+//! reference asserts half-way), and duplicate keys in one `prepare_store` are stored once.
+
+mod arc;
+mod events;
+mod keys;
+mod list;
+mod lru;
+mod pool;
+mod tracker;
+
+pub use events::{Event, EventLog};
+
+use crate::error::{Error, Result, invalid};
+use hashbrown::HashTable;
+use keys::KeyTable;
+use pool::SlotPool;
+use tracker::Tracker;
+
+/// Longest supported key, in bytes.
+pub const MAX_KEY_LEN: usize = 64;
+
+/// Eviction policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Policy {
+    /// Least recently used first.
+    #[default]
+    Lru,
+    /// Adaptive replacement cache.
+    Arc,
+}
+
+/// Manager configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManagerConfig {
+    /// Width of every key in bytes, `1..=64`.
+    pub key_len: usize,
+    /// Number of host slots (offloaded blocks the tier holds), `< u32::MAX`.
+    pub num_slots: usize,
+    /// Eviction policy.
+    pub policy: Policy,
+    /// When `>= 2`, a key is stored only after it was looked up this many times.
+    pub store_threshold: u32,
+    /// Keys the store-threshold filter tracks (least recently looked up dropped first); `>= 1`.
+    pub max_tracker_size: usize,
+    /// Buffer stored / removed events for [`Manager::take_events`].
+    pub enable_events: bool,
+}
+
+impl Default for ManagerConfig {
+    fn default() -> Self {
+        Self {
+            key_len: 32,
+            num_slots: 0,
+            policy: Policy::Lru,
+            store_threshold: 0,
+            max_tracker_size: 64_000,
+            enable_events: false,
+        }
+    }
+}
+
+/// The answer of a single-key lookup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// Not stored.
+    Miss,
+    /// Stored and ready to load.
+    Hit,
+    /// Its store is in flight: ask again later.
+    Retry,
+}
+
+/// The answer of a prefix lookup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixLookup {
+    /// Leading keys that are stored, counting keys whose store is in flight.
+    pub hits: usize,
+    /// A key within `hits` has its store in flight: the answer must be retried later.
+    pub retry: bool,
+}
+
+/// The outcome of [`Manager::prepare_store_into`]: how much of each output was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StoreCounts {
+    /// Keys to store (entries of the index and slot outputs).
+    pub stored: usize,
+    /// Keys evicted to make room (keys in the evicted output).
+    pub evicted: usize,
+}
+
+/// Owned outputs of [`Manager::prepare_store`], reusable across calls.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StorePlan {
+    /// Indices (into the call's keys) of the keys to store, in input order.
+    pub indices: Vec<u32>,
+    /// The slot of each key to store.
+    pub slots: Vec<u32>,
+    /// Evicted keys, back to back, in eviction order.
+    pub evicted: Vec<u8>,
+}
+
+/// Counters and gauges of the tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ManagerStats {
+    /// Host slots.
+    pub capacity: u64,
+    /// Slots holding a key (ready or in flight).
+    pub used: u64,
+    /// Slots whose key is ready (loadable).
+    pub ready: u64,
+    /// Ready slots not pinned by any load: what eviction may take.
+    pub evictable: u64,
+    /// Slots pinned by at least one load.
+    pub pinned: u64,
+    /// Slots whose store is in flight.
+    pub stores_in_flight: u64,
+    /// Keys looked up (cumulative).
+    pub lookups: u64,
+    /// Lookups that answered "hit" (cumulative).
+    pub hits: u64,
+    /// Keys filtered out by the store threshold (cumulative).
+    pub stores_skipped: u64,
+    /// Keys evicted (cumulative).
+    pub evictions: u64,
+}
+
+enum PolicyImpl {
+    Lru(lru::Lru),
+    Arc(Box<arc::Arc>),
+}
+
+const IN_FLIGHT: i32 = -1;
+const ABSENT: u32 = u32::MAX;
+
+/// The offload tier index. Not thread-safe by itself; the C API serializes calls per handle.
+pub struct Manager {
+    cfg: ManagerConfig,
+    keys: KeyTable,
+    /// Per slot: -1 store in flight, 0 ready and idle, n > 0 pinned by n loads.
+    ref_cnt: Vec<i32>,
+    pool: SlotPool,
+    policy: PolicyImpl,
+    tracker: Option<Tracker>,
+    events: EventLog,
+    stats: ManagerStats,
+    // Scratch space reused by every call (no allocation per key once warm).
+    scratch_hash: Vec<u64>,
+    scratch_slot: Vec<u32>,
+    scratch_victims: Vec<u32>,
+    scratch_seen: HashTable<u32>,
+    stamp: Vec<u32>,
+    epoch: u32,
+}
+
+impl Manager {
+    /// A manager with `cfg`; fails with [`Error::InvalidArgument`] naming the bad field.
+    pub fn new(cfg: ManagerConfig) -> Result<Self> {
+        if cfg.key_len == 0 || cfg.key_len > MAX_KEY_LEN {
+            return Err(invalid!(
+                "key_len: {} is not in 1..={MAX_KEY_LEN}",
+                cfg.key_len
+            ));
+        }
+        if cfg.num_slots >= u32::MAX as usize {
+            return Err(invalid!(
+                "num_slots: {} is not below {}",
+                cfg.num_slots,
+                u32::MAX
+            ));
+        }
+        if cfg.store_threshold >= 2 && cfg.max_tracker_size == 0 {
+            return Err(invalid!(
+                "max_tracker_size: 0 with store_threshold {}",
+                cfg.store_threshold
+            ));
+        }
+        let n = cfg.num_slots;
+        let keys = KeyTable::new(cfg.key_len, n);
+        let policy = match cfg.policy {
+            Policy::Lru => PolicyImpl::Lru(lru::Lru::new(n)),
+            Policy::Arc => PolicyImpl::Arc(Box::new(arc::Arc::new(n, &keys))),
+        };
+        let tracker = (cfg.store_threshold >= 2)
+            .then(|| Tracker::new(cfg.store_threshold, cfg.max_tracker_size, &keys));
+        Ok(Self {
+            events: EventLog::new(cfg.key_len),
+            stats: ManagerStats {
+                capacity: n as u64,
+                ..Default::default()
+            },
+            keys,
+            ref_cnt: vec![0; n],
+            pool: SlotPool::new(n as u32),
+            policy,
+            tracker,
+            scratch_hash: Vec::new(),
+            scratch_slot: Vec::new(),
+            scratch_victims: Vec::new(),
+            scratch_seen: HashTable::new(),
+            stamp: vec![0; n],
+            epoch: 0,
+            cfg,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ManagerConfig {
+        &self.cfg
+    }
+
+    /// Width of every key in bytes.
+    pub fn key_len(&self) -> usize {
+        self.cfg.key_len
+    }
+
+    fn check_keys(&self, keys: &[u8], name: &str) -> Result<usize> {
+        let kl = self.cfg.key_len;
+        if !keys.len().is_multiple_of(kl) {
+            return Err(invalid!(
+                "{name}: {} bytes is not a multiple of key_len {kl}",
+                keys.len()
+            ));
+        }
+        Ok(keys.len() / kl)
+    }
+
+    /// Resolves every key of `keys` into `scratch_hash` / `scratch_slot` (ABSENT if not stored).
+    fn resolve(&mut self, keys: &[u8]) {
+        self.scratch_hash.clear();
+        self.scratch_slot.clear();
+        for key in keys.chunks_exact(self.cfg.key_len) {
+            let h = self.keys.hash(key);
+            self.scratch_hash.push(h);
+            self.scratch_slot
+                .push(self.keys.find_hashed(h, key).unwrap_or(ABSENT));
+        }
+    }
+
+    /// Looks up one key: counts it for the store threshold, and answers without changing recency.
+    pub fn lookup(&mut self, key: &[u8]) -> Result<Lookup> {
+        if key.len() != self.cfg.key_len {
+            return Err(invalid!(
+                "key: {} bytes, key_len is {}",
+                key.len(),
+                self.cfg.key_len
+            ));
+        }
+        Ok(self.lookup_one(key))
+    }
+
+    #[inline]
+    fn lookup_one(&mut self, key: &[u8]) -> Lookup {
+        let h = self.keys.hash(key);
+        if let Some(t) = &mut self.tracker {
+            t.record(h, key);
+        }
+        self.stats.lookups += 1;
+        match self.keys.find_hashed(h, key) {
+            None => Lookup::Miss,
+            Some(s) if self.ref_cnt[s as usize] == IN_FLIGHT => Lookup::Retry,
+            Some(_) => {
+                self.stats.hits += 1;
+                Lookup::Hit
+            }
+        }
+    }
+
+    /// The maximal-prefix rule: looks keys up in order until the first miss; a key whose store is
+    /// in flight counts as a hit while scanning, and then the whole answer must be retried.
+    pub fn lookup_prefix(&mut self, keys: &[u8]) -> Result<PrefixLookup> {
+        self.check_keys(keys, "keys")?;
+        let mut out = PrefixLookup::default();
+        for key in keys.chunks_exact(self.cfg.key_len) {
+            match self.lookup_one(key) {
+                Lookup::Miss => break,
+                Lookup::Retry => out.retry = true,
+                Lookup::Hit => {}
+            }
+            out.hits += 1;
+        }
+        Ok(out)
+    }
+
+    /// Pins every key for a load and writes its slot to `out_slots[i]`, in input order.
+    /// Fails, changing nothing, if a key is not stored ([`Error::NotFound`]), its store is in
+    /// flight ([`Error::InvalidState`]) or `out_slots` is shorter than the keys.
+    pub fn prepare_load(&mut self, keys: &[u8], out_slots: &mut [u32]) -> Result<usize> {
+        let n = self.check_keys(keys, "keys")?;
+        if out_slots.len() < n {
+            return Err(Error::BufferTooSmall {
+                what: "out_slots",
+                needed: n,
+                got: out_slots.len(),
+            });
+        }
+        self.resolve(keys);
+        for (i, &s) in self.scratch_slot.iter().enumerate() {
+            if s == ABSENT {
+                return Err(Error::NotFound(format!("keys[{i}]: not stored")));
+            }
+            if self.ref_cnt[s as usize] == IN_FLIGHT {
+                return Err(Error::InvalidState(format!(
+                    "keys[{i}]: its store is in flight"
+                )));
+            }
+        }
+        for (i, &s) in self.scratch_slot.iter().enumerate() {
+            let r = &mut self.ref_cnt[s as usize];
+            if *r == 0 {
+                self.stats.evictable -= 1;
+                self.stats.pinned += 1;
+                if let PolicyImpl::Lru(l) = &mut self.policy {
+                    l.mark_non_evictable(s);
+                }
+            }
+            *r += 1;
+            out_slots[i] = s;
+        }
+        Ok(n)
+    }
+
+    /// Marks keys as used: LRU moves the evictable ones to the most-recent end so that the
+    /// first key ends most recent; ARC promotes and adapts its target. Unknown keys are ignored.
+    pub fn touch(&mut self, keys: &[u8]) -> Result<()> {
+        self.check_keys(keys, "keys")?;
+        let kl = self.cfg.key_len;
+        for key in keys.chunks_exact(kl).rev() {
+            let h = self.keys.hash(key);
+            let slot = self.keys.find_hashed(h, key);
+            match &mut self.policy {
+                PolicyImpl::Lru(l) => {
+                    if let Some(s) = slot {
+                        l.touch(s);
+                    }
+                }
+                PolicyImpl::Arc(a) => a.touch(slot.map(|s| (s, self.ref_cnt[s as usize])), h, key),
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases one load pin of each key (a key listed twice is released twice). Fails, changing
+    /// nothing, if a key is not stored ([`Error::NotFound`]) or not pinned ([`Error::InvalidState`]).
+    pub fn complete_load(&mut self, keys: &[u8]) -> Result<()> {
+        self.check_keys(keys, "keys")?;
+        self.resolve(keys);
+        // Validate by releasing, undo, then apply in order (exact order of "becomes evictable").
+        let mut failed = None;
+        for (i, &s) in self.scratch_slot.iter().enumerate() {
+            if s == ABSENT {
+                failed = Some((i, Error::NotFound(format!("keys[{i}]: not stored"))));
+                break;
+            }
+            if self.ref_cnt[s as usize] <= 0 {
+                let e = Error::InvalidState(format!("keys[{i}]: not pinned by a load"));
+                failed = Some((i, e));
+                break;
+            }
+            self.ref_cnt[s as usize] -= 1;
+        }
+        let done = failed.as_ref().map_or(self.scratch_slot.len(), |f| f.0);
+        for &s in &self.scratch_slot[..done] {
+            self.ref_cnt[s as usize] += 1;
+        }
+        if let Some((_, e)) = failed {
+            return Err(e);
+        }
+        for &s in &self.scratch_slot {
+            let r = &mut self.ref_cnt[s as usize];
+            *r -= 1;
+            if *r == 0 {
+                self.stats.evictable += 1;
+                self.stats.pinned -= 1;
+                if let PolicyImpl::Lru(l) = &mut self.policy {
+                    l.mark_evictable(s);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::prepare_store_into`] with owned, reusable outputs.
+    pub fn prepare_store(&mut self, keys: &[u8], plan: &mut StorePlan) -> Result<StoreCounts> {
+        let n = self.check_keys(keys, "keys")?;
+        plan.indices.resize(n, 0);
+        plan.slots.resize(n, 0);
+        plan.evicted.resize(n * self.cfg.key_len, 0);
+        let r =
+            self.prepare_store_into(keys, &mut plan.indices, &mut plan.slots, &mut plan.evicted);
+        let c = r.as_ref().copied().unwrap_or_default();
+        plan.indices.truncate(c.stored);
+        plan.slots.truncate(c.stored);
+        plan.evicted.truncate(c.evicted * self.cfg.key_len);
+        r
+    }
+
+    /// Reserves slots for the keys that are not stored yet (their stores are then in flight).
+    ///
+    /// Keys filtered by the store threshold and keys already stored (ready or in flight) are
+    /// skipped; a key listed twice is stored once. When the free slots do not suffice, evicts
+    /// ready, unpinned keys by the policy, never a key named in this call. Writes the input
+    /// indices and slots of the keys to store, and the evicted keys (back to back, eviction
+    /// order). Each output must hold as many entries as there are keys.
+    ///
+    /// Fails with [`Error::NoRoom`], changing nothing, when not enough can be evicted now.
+    pub fn prepare_store_into(
+        &mut self,
+        keys: &[u8],
+        out_indices: &mut [u32],
+        out_slots: &mut [u32],
+        out_evicted: &mut [u8],
+    ) -> Result<StoreCounts> {
+        let n = self.check_keys(keys, "keys")?;
+        let kl = self.cfg.key_len;
+        if out_indices.len() < n {
+            return Err(Error::BufferTooSmall {
+                what: "out_indices",
+                needed: n,
+                got: out_indices.len(),
+            });
+        }
+        if out_slots.len() < n {
+            return Err(Error::BufferTooSmall {
+                what: "out_slots",
+                needed: n,
+                got: out_slots.len(),
+            });
+        }
+        if out_evicted.len() < n * kl {
+            return Err(Error::BufferTooSmall {
+                what: "out_evicted",
+                needed: n,
+                got: out_evicted.len() / kl,
+            });
+        }
+        self.resolve(keys);
+        // Filter (threshold), protect the present ones, collect the absent ones (deduplicated).
+        self.next_epoch();
+        self.scratch_seen.clear();
+        let mut to_store = 0;
+        let mut skipped = 0;
+        for (i, key) in keys.chunks_exact(kl).enumerate() {
+            let h = self.scratch_hash[i];
+            if let Some(t) = &self.tracker
+                && !t.passes(h, key)
+            {
+                skipped += 1;
+                continue;
+            }
+            let s = self.scratch_slot[i];
+            if s != ABSENT {
+                self.stamp[s as usize] = self.epoch;
+                continue;
+            }
+            if n > 1 {
+                let dup = self
+                    .scratch_seen
+                    .find(h, |&j| key_at(keys, kl, j) == key)
+                    .is_some();
+                if dup {
+                    continue;
+                }
+                self.scratch_seen
+                    .insert_unique(h, i as u32, |&j| self.keys.hash(key_at(keys, kl, j)));
+            }
+            out_indices[to_store] = i as u32;
+            to_store += 1;
+        }
+        if to_store == 0 {
+            self.stats.stores_skipped += skipped;
+            return Ok(StoreCounts::default());
+        }
+        let need = to_store.saturating_sub(self.pool.num_free());
+        if need > 0 {
+            let no_room =
+                || Error::NoRoom(format!("need {need} evictable slots for {to_store} keys"));
+            if need as u64 > self.stats.evictable {
+                return Err(no_room());
+            }
+            self.scratch_victims.clear();
+            let (stamp, epoch) = (&self.stamp, self.epoch);
+            let protected = |s: u32| stamp[s as usize] == epoch;
+            let ok = match &self.policy {
+                PolicyImpl::Lru(l) => l.pick_victims(need, protected, &mut self.scratch_victims),
+                PolicyImpl::Arc(a) => {
+                    a.pick_victims(need, &self.ref_cnt, protected, &mut self.scratch_victims)
+                }
+            };
+            if !ok {
+                return Err(no_room());
+            }
+            self.evict_victims(&mut out_evicted[..need * kl]);
+        }
+        self.stats.stores_skipped += skipped;
+        for j in 0..to_store {
+            let i = out_indices[j] as usize;
+            let slot = self.pool.alloc();
+            let key = key_at(keys, kl, i as u32);
+            self.keys.insert_hashed(self.scratch_hash[i], slot, key);
+            self.ref_cnt[slot as usize] = IN_FLIGHT;
+            if let PolicyImpl::Arc(a) = &mut self.policy {
+                a.insert(slot, self.scratch_hash[i], key);
+            }
+            out_slots[j] = slot;
+        }
+        self.stats.stores_in_flight += to_store as u64;
+        Ok(StoreCounts {
+            stored: to_store,
+            evicted: need,
+        })
+    }
+
+    /// Evicts `scratch_victims`: copies their keys out, frees their slots, records the event.
+    fn evict_victims(&mut self, out_evicted: &mut [u8]) {
+        let kl = self.cfg.key_len;
+        if let PolicyImpl::Arc(a) = &mut self.policy {
+            a.evict(&self.scratch_victims, &self.keys);
+        }
+        for (j, &s) in self.scratch_victims.iter().enumerate() {
+            let key = self.keys.key(s);
+            out_evicted[j * kl..(j + 1) * kl].copy_from_slice(key);
+            if self.cfg.enable_events {
+                self.events.push_key(key);
+            }
+            if let PolicyImpl::Lru(l) = &mut self.policy {
+                l.remove(s);
+            }
+            self.keys.remove_id(s);
+            self.pool.release(s);
+        }
+        if self.cfg.enable_events {
+            self.events.end_record(true);
+        }
+        let n = self.scratch_victims.len() as u64;
+        self.stats.evictable -= n;
+        self.stats.evictions += n;
+    }
+
+    fn next_epoch(&mut self) {
+        self.epoch = self.epoch.wrapping_add(1);
+        if self.epoch == 0 {
+            self.stamp.fill(0);
+            self.epoch = 1;
+        }
+    }
+
+    /// Ends the stores of `keys`. Success makes the in-flight ones ready (one "stored" event);
+    /// failure drops the in-flight ones and frees their slots. Keys that are unknown or already
+    /// ready are ignored on purpose (as in the reference).
+    pub fn complete_store(&mut self, keys: &[u8], success: bool) -> Result<()> {
+        self.check_keys(keys, "keys")?;
+        for key in keys.chunks_exact(self.cfg.key_len) {
+            let Some(s) = self.keys.find(key) else {
+                continue;
+            };
+            if self.ref_cnt[s as usize] != IN_FLIGHT {
+                continue;
+            }
+            self.stats.stores_in_flight -= 1;
+            if success {
+                self.ref_cnt[s as usize] = 0;
+                self.stats.evictable += 1;
+                if let PolicyImpl::Lru(l) = &mut self.policy {
+                    l.mark_evictable(s);
+                }
+                if self.cfg.enable_events {
+                    self.events.push_key(key);
+                }
+            } else {
+                match &mut self.policy {
+                    PolicyImpl::Lru(l) => l.remove(s),
+                    PolicyImpl::Arc(a) => a.remove(s),
+                }
+                self.keys.remove_id(s);
+                self.ref_cnt[s as usize] = 0;
+                self.pool.release(s);
+            }
+        }
+        if success && self.cfg.enable_events {
+            self.events.end_record(false);
+        }
+        Ok(())
+    }
+
+    /// Takes the buffered events, oldest first.
+    pub fn take_events(&mut self) -> EventLog {
+        std::mem::replace(&mut self.events, EventLog::new(self.cfg.key_len))
+    }
+
+    /// Buffered events, oldest first (not drained).
+    pub fn events(&self) -> &EventLog {
+        &self.events
+    }
+
+    /// Current counters and gauges.
+    pub fn stats(&self) -> ManagerStats {
+        let mut s = self.stats;
+        s.used = self.pool.num_used() as u64;
+        s.ready = s.used - s.stores_in_flight;
+        s
+    }
+
+    /// Drops every key and frees every slot (no events); cumulative counters, buffered events
+    /// and the store-threshold counts are kept. Only safe when the caller discards completions
+    /// of jobs from before the reset (the scheduler does).
+    pub fn reset(&mut self) {
+        self.keys.clear();
+        self.pool.reset();
+        self.ref_cnt.fill(0);
+        match &mut self.policy {
+            PolicyImpl::Lru(l) => l.clear(),
+            PolicyImpl::Arc(a) => a.clear(),
+        }
+        self.stats.evictable = 0;
+        self.stats.pinned = 0;
+        self.stats.stores_in_flight = 0;
+    }
+
+    /// Recounts everything from scratch and compares it with the incremental state.
+    pub fn check_invariants(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Internal(m));
+        let used = self.pool.num_used();
+        if self.keys.len() != used {
+            return bad(format!("{} keys but {used} used slots", self.keys.len()));
+        }
+        let (mut in_flight, mut idle, mut pinned) = (0u64, 0u64, 0u64);
+        let mut occupied = vec![false; self.cfg.num_slots];
+        for s in self.occupied_slots() {
+            occupied[s as usize] = true;
+            match self.ref_cnt[s as usize] {
+                IN_FLIGHT => in_flight += 1,
+                0 => idle += 1,
+                r if r > 0 => pinned += 1,
+                r => return bad(format!("slot {s}: ref count {r}")),
+            }
+        }
+        let st = &self.stats;
+        if (in_flight, idle, pinned) != (st.stores_in_flight, st.evictable, st.pinned) {
+            return bad(format!(
+                "recount (in flight, evictable, pinned) = {:?}, counters {:?}",
+                (in_flight, idle, pinned),
+                (st.stores_in_flight, st.evictable, st.pinned)
+            ));
+        }
+        match &self.policy {
+            PolicyImpl::Lru(l) => {
+                let order = l.order();
+                if order.len() as u64 != idle
+                    || order
+                        .iter()
+                        .any(|&s| !occupied[s as usize] || self.ref_cnt[s as usize] != 0)
+                {
+                    return bad("LRU list is not the set of evictable slots".into());
+                }
+            }
+            PolicyImpl::Arc(a) => {
+                let (b1, b2) = a.num_ghosts();
+                if a.listed() != used || b1 > self.cfg.num_slots || b2 > self.cfg.num_slots {
+                    return bad(format!(
+                        "ARC lists: {} listed, {used} used, ghosts {b1}/{b2}",
+                        a.listed()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn occupied_slots(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.cfg.num_slots as u32).filter(|&s| self.keys.find(self.keys.key(s)) == Some(s))
+    }
+}
+
+#[inline]
+fn key_at(keys: &[u8], kl: usize, i: u32) -> &[u8] {
+    &keys[i as usize * kl..(i as usize + 1) * kl]
+}
+
+#[cfg(test)]
+mod tests;
