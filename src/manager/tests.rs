@@ -1,1 +1,552 @@
+//! Unit tests of the manager: the reference's worked examples (§3.4, §3.5) and manager tests
+//! (§8.4), written from their descriptions.
 
+use super::*;
+
+fn k(i: u64) -> [u8; 8] {
+    i.to_be_bytes()
+}
+
+fn keys(ids: &[u64]) -> Vec<u8> {
+    ids.iter().flat_map(|&i| k(i)).collect()
+}
+
+fn ids(flat: &[u8]) -> Vec<u64> {
+    flat.chunks_exact(8)
+        .map(|c| u64::from_be_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn mgr(num_slots: usize, policy: Policy) -> Manager {
+    Manager::new(ManagerConfig {
+        key_len: 8,
+        num_slots,
+        policy,
+        enable_events: true,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// Prepares a store; returns (indices, slots, evicted ids).
+fn store(m: &mut Manager, ks: &[u64]) -> Result<(Vec<u32>, Vec<u32>, Vec<u64>)> {
+    let mut plan = StorePlan::default();
+    m.prepare_store(&keys(ks), &mut plan)?;
+    m.check_invariants().unwrap();
+    Ok((plan.indices, plan.slots, ids(&plan.evicted)))
+}
+
+fn load(m: &mut Manager, ks: &[u64]) -> Result<Vec<u32>> {
+    let mut out = vec![0; ks.len()];
+    m.prepare_load(&keys(ks), &mut out)?;
+    Ok(out)
+}
+
+fn look(m: &mut Manager, i: u64) -> Lookup {
+    m.lookup(&k(i)).unwrap()
+}
+
+fn events(m: &mut Manager) -> Vec<(bool, Vec<u64>)> {
+    m.take_events()
+        .iter()
+        .map(|e| (e.removed, ids(e.keys)))
+        .collect()
+}
+
+#[test]
+fn lru_worked_example() {
+    let mut m = mgr(4, Policy::Lru);
+    assert_eq!(
+        store(&mut m, &[1, 2]).unwrap(),
+        (vec![0, 1], vec![0, 1], vec![])
+    );
+    assert_eq!(
+        (look(&mut m, 1), look(&mut m, 2)),
+        (Lookup::Retry, Lookup::Retry)
+    );
+    m.complete_store(&keys(&[1, 2]), true).unwrap();
+    assert_eq!(
+        (look(&mut m, 1), look(&mut m, 2)),
+        (Lookup::Hit, Lookup::Hit)
+    );
+    assert_eq!(events(&mut m), vec![(false, vec![1, 2])]);
+
+    assert_eq!(
+        store(&mut m, &[2, 3, 4, 5]).unwrap(),
+        (vec![1, 2, 3], vec![2, 3, 0], vec![1])
+    );
+    assert!(matches!(store(&mut m, &[1, 6]), Err(Error::NoRoom(_))));
+    m.complete_store(&keys(&[2, 3, 4, 5]), true).unwrap();
+    assert_eq!(load(&mut m, &[2, 3]).unwrap(), vec![1, 2]);
+    assert!(matches!(store(&mut m, &[6, 7, 8]), Err(Error::NoRoom(_))));
+    m.complete_load(&keys(&[2, 3])).unwrap();
+    assert_eq!(
+        store(&mut m, &[6, 7, 8]).unwrap(),
+        (vec![0, 1, 2], vec![1, 0, 3], vec![4, 5, 2])
+    );
+    m.complete_store(&keys(&[6, 7, 8]), true).unwrap();
+    m.touch(&keys(&[3, 6, 7])).unwrap();
+    assert_eq!(store(&mut m, &[9]).unwrap(), (vec![0], vec![3], vec![8]));
+    m.complete_store(&keys(&[7, 9]), false).unwrap();
+    assert_eq!(
+        (look(&mut m, 7), look(&mut m, 9)),
+        (Lookup::Hit, Lookup::Miss)
+    );
+    assert_eq!(
+        events(&mut m),
+        vec![
+            (true, vec![1]),
+            (false, vec![3, 4, 5]),
+            (true, vec![4, 5, 2]),
+            (false, vec![6, 7, 8]),
+            (true, vec![8])
+        ]
+    );
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn already_stored_input_key_survives_eviction() {
+    for policy in [Policy::Lru, Policy::Arc] {
+        let mut m = mgr(4, policy);
+        store(&mut m, &[1, 2]).unwrap();
+        m.complete_store(&keys(&[1, 2]), true).unwrap();
+        // Key 2 is the only other evictable key besides 1 and is least recently used after 1.
+        assert_eq!(
+            store(&mut m, &[2, 3, 4, 5]).unwrap(),
+            (vec![1, 2, 3], vec![2, 3, 0], vec![1]),
+            "{policy:?}"
+        );
+        assert_eq!(look(&mut m, 2), Lookup::Hit);
+    }
+}
+
+#[test]
+fn protected_keys_make_room_fail_without_change() {
+    let mut m = mgr(2, Policy::Lru);
+    store(&mut m, &[1, 2]).unwrap();
+    m.complete_store(&keys(&[1, 2]), true).unwrap();
+    let before = m.stats();
+    // 1 and 2 are named in the call, so neither can be evicted for 3.
+    assert!(matches!(store(&mut m, &[1, 2, 3]), Err(Error::NoRoom(_))));
+    assert_eq!(m.stats(), before);
+    assert_eq!(store(&mut m, &[2, 3]).unwrap(), (vec![1], vec![0], vec![1]));
+}
+
+#[test]
+fn prepare_load_preserves_key_order_and_pins() {
+    let mut m = mgr(8, Policy::Lru);
+    store(&mut m, &[10, 11, 12, 13]).unwrap();
+    m.complete_store(&keys(&[10, 11, 12, 13]), true).unwrap();
+    assert_eq!(load(&mut m, &[13, 10, 12]).unwrap(), vec![3, 0, 2]);
+    assert_eq!(load(&mut m, &[13]).unwrap(), vec![3]);
+    let s = m.stats();
+    assert_eq!((s.pinned, s.evictable, s.ready), (3, 1, 4));
+    m.complete_load(&keys(&[13, 13, 10, 12])).unwrap();
+    assert_eq!(m.stats().pinned, 0);
+    assert!(matches!(
+        m.complete_load(&keys(&[10])),
+        Err(Error::InvalidState(_))
+    ));
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn failed_calls_change_nothing() {
+    let mut m = mgr(4, Policy::Lru);
+    store(&mut m, &[1, 2, 3]).unwrap();
+    m.complete_store(&keys(&[1, 2]), true).unwrap();
+    load(&mut m, &[1]).unwrap();
+    let before = (m.stats(), m.lru_order());
+    // Missing key after a valid one: nothing pinned.
+    assert!(matches!(load(&mut m, &[2, 9]), Err(Error::NotFound(m)) if m.contains("keys[1]")));
+    // In-flight key.
+    assert!(matches!(load(&mut m, &[2, 3]), Err(Error::InvalidState(_))));
+    // Released more often than pinned, after a valid release: nothing released.
+    assert!(
+        matches!(m.complete_load(&keys(&[1, 1])), Err(Error::InvalidState(m)) if m.contains("keys[1]"))
+    );
+    assert!(matches!(
+        m.complete_load(&keys(&[2])),
+        Err(Error::InvalidState(_))
+    ));
+    assert!(matches!(
+        m.complete_load(&keys(&[7])),
+        Err(Error::NotFound(_))
+    ));
+    // Output too small.
+    let mut small = [0u32; 1];
+    assert!(matches!(
+        m.prepare_load(&keys(&[1, 2]), &mut small),
+        Err(Error::BufferTooSmall { needed: 2, .. })
+    ));
+    // Wrong key widths.
+    assert!(matches!(m.lookup(&[0; 7]), Err(Error::InvalidArgument(_))));
+    assert!(matches!(m.touch(&[0; 9]), Err(Error::InvalidArgument(_))));
+    assert_eq!((m.stats(), m.lru_order()), before);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn config_is_validated() {
+    for (cfg, field) in [
+        (
+            ManagerConfig {
+                key_len: 0,
+                ..Default::default()
+            },
+            "key_len",
+        ),
+        (
+            ManagerConfig {
+                key_len: 65,
+                ..Default::default()
+            },
+            "key_len",
+        ),
+        (
+            ManagerConfig {
+                store_threshold: 2,
+                max_tracker_size: 0,
+                ..Default::default()
+            },
+            "max_tracker_size",
+        ),
+    ] {
+        assert!(
+            matches!(Manager::new(cfg), Err(Error::InvalidArgument(m)) if m.starts_with(field))
+        );
+    }
+    assert!(
+        Manager::new(ManagerConfig {
+            key_len: 64,
+            num_slots: 0,
+            ..Default::default()
+        })
+        .is_ok()
+    );
+}
+
+#[test]
+fn zero_capacity_never_stores() {
+    let mut m = mgr(0, Policy::Arc);
+    assert!(matches!(store(&mut m, &[1]), Err(Error::NoRoom(_))));
+    assert_eq!(store(&mut m, &[]).unwrap(), (vec![], vec![], vec![]));
+}
+
+#[test]
+fn duplicate_keys_in_one_store_are_stored_once() {
+    let mut m = mgr(4, Policy::Lru);
+    assert_eq!(
+        store(&mut m, &[5, 5, 6, 5]).unwrap(),
+        (vec![0, 2], vec![0, 1], vec![])
+    );
+    assert_eq!(m.stats().stores_in_flight, 2);
+}
+
+#[test]
+fn failed_store_frees_only_in_flight_keys() {
+    let mut m = mgr(4, Policy::Lru);
+    store(&mut m, &[7]).unwrap();
+    m.complete_store(&keys(&[7]), true).unwrap();
+    store(&mut m, &[9]).unwrap();
+    m.complete_store(&keys(&[7, 9, 42]), false).unwrap();
+    assert_eq!(
+        (look(&mut m, 7), look(&mut m, 9)),
+        (Lookup::Hit, Lookup::Miss)
+    );
+    // Slot 1 went back to the free list and is reused first (LIFO) once fresh slots run out.
+    assert_eq!(store(&mut m, &[20, 21, 22]).unwrap().1, vec![2, 3, 1]);
+    assert!(
+        events(&mut m)
+            .iter()
+            .all(|(removed, ks)| !removed && ks != &vec![9])
+    );
+}
+
+#[test]
+fn evictable_count_follows_every_transition() {
+    let mut m = mgr(3, Policy::Lru);
+    let ev = |m: &Manager| m.stats().evictable;
+    store(&mut m, &[1, 2]).unwrap();
+    assert_eq!(ev(&m), 0);
+    m.complete_store(&keys(&[1, 2]), true).unwrap();
+    assert_eq!(ev(&m), 2);
+    load(&mut m, &[1]).unwrap();
+    load(&mut m, &[1]).unwrap();
+    assert_eq!(ev(&m), 1, "two loads of one key pin it once");
+    m.complete_load(&keys(&[1])).unwrap();
+    assert_eq!(ev(&m), 1);
+    m.complete_load(&keys(&[1])).unwrap();
+    assert_eq!(ev(&m), 2);
+    store(&mut m, &[3, 4]).unwrap(); // evicts one
+    assert_eq!(ev(&m), 1);
+    m.complete_store(&keys(&[3, 4]), false).unwrap();
+    assert_eq!(ev(&m), 1);
+    m.reset();
+    assert_eq!(ev(&m), 0);
+    // Nothing evictable: fails fast.
+    store(&mut m, &[1, 2, 3]).unwrap();
+    assert!(matches!(store(&mut m, &[4]), Err(Error::NoRoom(_))));
+}
+
+#[test]
+fn usage_gauge_counts_slots_held_by_transfers() {
+    let mut m = mgr(4, Policy::Lru);
+    let usage = |m: &Manager| {
+        let s = m.stats();
+        (s.used - s.evictable) as f64 / s.capacity as f64
+    };
+    assert_eq!(usage(&m), 0.0);
+    store(&mut m, &[1, 2]).unwrap();
+    assert_eq!(usage(&m), 0.5);
+    store(&mut m, &[3, 4]).unwrap();
+    assert_eq!(usage(&m), 1.0);
+    m.complete_store(&keys(&[1, 2]), true).unwrap();
+    assert_eq!(usage(&m), 0.5);
+    m.complete_store(&keys(&[3, 4]), true).unwrap();
+    assert_eq!(usage(&m), 0.0);
+}
+
+#[test]
+fn store_threshold_filters_until_looked_up_enough() {
+    let cfg = ManagerConfig {
+        key_len: 8,
+        num_slots: 8,
+        store_threshold: 2,
+        max_tracker_size: 3,
+        ..Default::default()
+    };
+    let mut m = Manager::new(cfg).unwrap();
+    assert_eq!(store(&mut m, &[1, 2, 3]).unwrap().0, Vec::<u32>::new());
+    assert_eq!(m.stats().stores_skipped, 3);
+    look(&mut m, 1);
+    assert_eq!(
+        store(&mut m, &[1]).unwrap().0,
+        Vec::<u32>::new(),
+        "one lookup is not enough"
+    );
+    look(&mut m, 1);
+    assert_eq!(store(&mut m, &[1, 2]).unwrap().0, vec![0]);
+    assert_eq!(m.stats().stores_skipped, 5);
+    // The tracker holds 3 keys: looking up 2, 3, 4 drops 1's count.
+    look(&mut m, 2);
+    look(&mut m, 3);
+    look(&mut m, 4);
+    look(&mut m, 2);
+    assert_eq!(store(&mut m, &[2]).unwrap().0, vec![0]);
+    look(&mut m, 1);
+    look(&mut m, 5);
+    look(&mut m, 6);
+    look(&mut m, 7); // 1 dropped again; its count restarts
+    look(&mut m, 1);
+    m.complete_store(&keys(&[1]), false).unwrap(); // free 1's slot so it could be stored again
+    assert_eq!(store(&mut m, &[1]).unwrap().0, Vec::<u32>::new());
+}
+
+#[test]
+fn prefix_lookup_maximal_prefix_rule() {
+    let mut m = mgr(8, Policy::Lru);
+    store(&mut m, &[1, 2, 3, 4]).unwrap();
+    m.complete_store(&keys(&[1, 2, 4]), true).unwrap();
+    let p = |m: &mut Manager, ks: &[u64]| m.lookup_prefix(&keys(ks)).unwrap();
+    assert_eq!(
+        p(&mut m, &[1, 2]),
+        PrefixLookup {
+            hits: 2,
+            retry: false
+        }
+    );
+    assert_eq!(
+        p(&mut m, &[9, 1]),
+        PrefixLookup {
+            hits: 0,
+            retry: false
+        }
+    );
+    assert_eq!(
+        p(&mut m, &[1, 9, 2]),
+        PrefixLookup {
+            hits: 1,
+            retry: false
+        }
+    );
+    assert_eq!(
+        p(&mut m, &[]),
+        PrefixLookup {
+            hits: 0,
+            retry: false
+        }
+    );
+    assert_eq!(
+        p(&mut m, &[3]),
+        PrefixLookup {
+            hits: 1,
+            retry: true
+        }
+    );
+    assert_eq!(
+        p(&mut m, &[1, 3, 4]),
+        PrefixLookup {
+            hits: 3,
+            retry: true
+        }
+    );
+    // Stops at the miss: 1, 3, 9 looked up, 4 is not.
+    let before = m.stats().lookups;
+    assert_eq!(
+        p(&mut m, &[1, 3, 9, 4]),
+        PrefixLookup {
+            hits: 2,
+            retry: true
+        }
+    );
+    assert_eq!(m.stats().lookups - before, 3);
+}
+
+// ---- ARC (§3.5) ----
+
+fn arc_state(m: &Manager) -> arc::ArcSnapshot {
+    match &m.policy {
+        PolicyImpl::Arc(a) => a.snapshot(),
+        PolicyImpl::Lru(_) => panic!("not ARC"),
+    }
+}
+
+impl Manager {
+    fn lru_order(&self) -> Vec<u32> {
+        match &self.policy {
+            PolicyImpl::Lru(l) => l.order(),
+            PolicyImpl::Arc(a) => a.snapshot().t1,
+        }
+    }
+
+    fn set_arc_target(&mut self, t: f64) {
+        if let PolicyImpl::Arc(a) = &mut self.policy {
+            a.set_target(t);
+        }
+    }
+}
+
+fn stored(m: &mut Manager, ks: &[u64]) {
+    store(m, ks).unwrap();
+    m.complete_store(&keys(ks), true).unwrap();
+}
+
+#[test]
+fn arc_new_blocks_land_in_t1_and_touch_promotes() {
+    let mut m = mgr(4, Policy::Arc);
+    stored(&mut m, &[1, 2]);
+    assert_eq!(arc_state(&m).t1, vec![0, 1]);
+    m.touch(&keys(&[1])).unwrap();
+    let s = arc_state(&m);
+    assert_eq!((s.t1, s.t2), (vec![1], vec![0]));
+    m.touch(&keys(&[2, 1])).unwrap(); // reverse order: 1 then 2 → T2 = [1, 2]... 2 most recent
+    let s = arc_state(&m);
+    assert_eq!((s.t1, s.t2), (vec![], vec![0, 1]));
+    // A touched in-flight block stays in T1 (moved to its MRU end).
+    store(&mut m, &[3, 4]).unwrap();
+    m.touch(&keys(&[3])).unwrap();
+    assert_eq!(arc_state(&m).t1, vec![3, 2]);
+}
+
+#[test]
+fn arc_eviction_goes_to_ghost_and_ghost_hit_raises_target() {
+    let mut m = mgr(2, Policy::Arc);
+    stored(&mut m, &[1, 2]);
+    assert_eq!(store(&mut m, &[3]).unwrap().2, vec![1]);
+    assert_eq!(arc_state(&m).b1, vec![k(1).to_vec()]);
+    m.touch(&keys(&[1])).unwrap();
+    assert!(arc_state(&m).target > 0.0);
+    assert_eq!(arc_state(&m).target, 1.0);
+}
+
+#[test]
+fn arc_t1_t2_eviction_choice_and_failed_store() {
+    let mut m = mgr(4, Policy::Arc);
+    stored(&mut m, &[1, 2, 3, 4]);
+    m.touch(&keys(&[3, 4])).unwrap();
+    let s = arc_state(&m);
+    assert_eq!((s.t1.len(), s.t2.len()), (2, 2));
+    m.set_arc_target(1.0);
+    assert_eq!(store(&mut m, &[5]).unwrap().2, vec![1]);
+    m.complete_store(&keys(&[5]), false).unwrap();
+    let s = arc_state(&m);
+    assert_eq!(s.b1, vec![k(1).to_vec()], "the evicted block stays a ghost");
+    assert_eq!(s.t1.len() + s.t2.len(), 3);
+    assert_eq!(look(&mut m, 5), Lookup::Miss);
+}
+
+#[test]
+fn arc_touch_ordering() {
+    let mut m = mgr(3, Policy::Arc);
+    stored(&mut m, &[1, 2, 3]);
+    m.touch(&keys(&[1])).unwrap();
+    assert_eq!(store(&mut m, &[4]).unwrap(), (vec![0], vec![1], vec![2]));
+}
+
+#[test]
+fn arc_adaptive_target_goes_down_on_b2_hit() {
+    let mut m = mgr(2, Policy::Arc);
+    stored(&mut m, &[1, 2]);
+    m.touch(&keys(&[1, 2])).unwrap(); // both in T2
+    assert_eq!(
+        store(&mut m, &[3]).unwrap().2,
+        vec![2],
+        "T2 LRU: 2 (touched first in reverse)"
+    );
+    m.complete_store(&keys(&[3]), true).unwrap();
+    assert_eq!(arc_state(&m).b2, vec![k(2).to_vec()]);
+    m.set_arc_target(1.5);
+    m.touch(&keys(&[2])).unwrap(); // B2 hit: delta = max(1, 0/1) = 1
+    assert_eq!(arc_state(&m).target, 0.5);
+    m.touch(&keys(&[2])).unwrap();
+    assert_eq!(arc_state(&m).target, 0.0);
+}
+
+#[test]
+fn arc_quirk_t1_not_scanned_below_target() {
+    let mut m = mgr(2, Policy::Arc);
+    stored(&mut m, &[1, 2]);
+    m.touch(&keys(&[2])).unwrap(); // T1 = [1], T2 = [2]
+    load(&mut m, &[2]).unwrap(); // T2's only block pinned
+    m.set_arc_target(2.0); // virtual T1 (1) < int(target) (2): T1 is not scanned
+    assert!(matches!(store(&mut m, &[3]), Err(Error::NoRoom(_))));
+    m.set_arc_target(1.0);
+    assert_eq!(store(&mut m, &[3]).unwrap().2, vec![1]);
+}
+
+#[test]
+fn arc_ghost_lists_stay_bounded() {
+    let mut m = mgr(3, Policy::Arc);
+    for i in 0..50u64 {
+        stored(&mut m, &[i]);
+        if i % 3 == 0 {
+            m.touch(&keys(&[i])).unwrap();
+        }
+        let s = arc_state(&m);
+        assert!(s.b1.len() <= 3 && s.b2.len() <= 3);
+        m.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn reset_drops_everything_and_restarts_slots() {
+    for policy in [Policy::Lru, Policy::Arc] {
+        let mut m = mgr(4, policy);
+        stored(&mut m, &[1, 2]);
+        load(&mut m, &[1]).unwrap();
+        store(&mut m, &[3]).unwrap();
+        m.take_events();
+        m.reset();
+        let s = m.stats();
+        assert_eq!(
+            (s.used, s.pinned, s.stores_in_flight, s.evictable),
+            (0, 0, 0, 0)
+        );
+        assert_eq!(look(&mut m, 1), Lookup::Miss);
+        assert!(events(&mut m).is_empty(), "reset emits no event");
+        assert_eq!(store(&mut m, &[5]).unwrap().1, vec![0]);
+        m.check_invariants().unwrap();
+    }
+}
