@@ -8,5 +8,6 @@
 pub mod error;
 pub mod ffi;
 pub mod manager;
+pub mod replay;
 
 pub use error::{Error, Result};
