@@ -587,6 +587,47 @@ impl Manager {
         Ok(())
     }
 
+    /// The reference count of a stored key (-1: store in flight, 0: ready and idle, n > 0:
+    /// pinned by n loads), or `None` if it is not stored. Counts nothing, changes nothing.
+    pub fn ref_count(&self, key: &[u8]) -> Option<i32> {
+        if key.len() != self.cfg.key_len {
+            return None;
+        }
+        self.keys.find(key).map(|s| self.ref_cnt[s as usize])
+    }
+
+    /// Drops `keys` from the tier (their data is known bad, e.g. a failed load): keys that are
+    /// ready and not pinned are removed and their slots freed, with one "removed" event. Keys
+    /// that are absent, in flight or still pinned by another load are left alone. Returns the
+    /// number of keys dropped.
+    pub fn discard(&mut self, keys: &[u8]) -> Result<usize> {
+        self.check_keys(keys, "keys")?;
+        let mut dropped = 0;
+        for key in keys.chunks_exact(self.cfg.key_len) {
+            let Some(s) = self.keys.find(key) else {
+                continue;
+            };
+            if self.ref_cnt[s as usize] != 0 {
+                continue;
+            }
+            match &mut self.policy {
+                PolicyImpl::Lru(l) => l.remove(s),
+                PolicyImpl::Arc(a) => a.remove(s),
+            }
+            if self.cfg.enable_events {
+                self.events.push_key(key);
+            }
+            self.keys.remove_id(s);
+            self.pool.release(s);
+            self.stats.evictable -= 1;
+            dropped += 1;
+        }
+        if self.cfg.enable_events {
+            self.events.end_record(true);
+        }
+        Ok(dropped)
+    }
+
     /// Takes the buffered events, oldest first.
     pub fn take_events(&mut self) -> EventLog {
         std::mem::replace(&mut self.events, EventLog::new(self.cfg.key_len))

@@ -550,3 +550,35 @@ fn reset_drops_everything_and_restarts_slots() {
         m.check_invariants().unwrap();
     }
 }
+
+#[test]
+fn discard_drops_only_ready_unpinned_keys() {
+    for policy in [Policy::Lru, Policy::Arc] {
+        let mut m = mgr(4, policy);
+        stored(&mut m, &[1, 2, 3]);
+        store(&mut m, &[4]).unwrap();
+        load(&mut m, &[2]).unwrap();
+        m.take_events();
+        assert_eq!(
+            (
+                m.ref_count(&k(2)),
+                m.ref_count(&k(1)),
+                m.ref_count(&k(4)),
+                m.ref_count(&k(9))
+            ),
+            (Some(1), Some(0), Some(-1), None)
+        );
+        assert_eq!(m.discard(&keys(&[1, 2, 4, 9])).unwrap(), 1);
+        assert_eq!(events(&mut m), vec![(true, vec![1])]);
+        assert_eq!(
+            (look(&mut m, 1), look(&mut m, 2), look(&mut m, 4)),
+            (Lookup::Miss, Lookup::Hit, Lookup::Retry)
+        );
+        m.check_invariants().unwrap();
+        assert_eq!(
+            store(&mut m, &[5]).unwrap().1,
+            vec![0],
+            "the dropped slot is free again"
+        );
+    }
+}

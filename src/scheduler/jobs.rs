@@ -1,0 +1,30 @@
+//! In-flight transfer jobs and their completion reports.
+
+use super::step::JobKind;
+
+/// One completion report: `count` workers finished `job_id`, all successfully or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JobReport {
+    /// The job.
+    pub job_id: u64,
+    /// Workers reporting (at least 1).
+    pub count: u32,
+    /// False when any of those workers failed the job.
+    pub success: bool,
+}
+
+/// A job whose completion is awaited.
+#[derive(Debug, Clone)]
+pub(crate) struct Job {
+    pub request_id: u64,
+    pub kind: JobKind,
+    /// Reports still expected (starts at `num_workers`).
+    pub pending: u32,
+    pub failed: bool,
+    /// The offload keys the job moves, back to back.
+    pub keys: Vec<u8>,
+    /// Stores: source GPU blocks (fenced once the request finishes).
+    /// Loads: tokens `[from, to)` the job fills, to recompute if it fails.
+    pub gpu_blocks: Vec<u32>,
+    pub tokens: (u64, u64),
+}

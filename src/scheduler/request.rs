@@ -1,0 +1,37 @@
+//! Per-request state of the scheduler.
+
+/// One tracked request.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Request {
+    pub prompt_tokens: u64,
+    /// Tokens of the request now (prompt + generated), as last reported.
+    pub num_tokens: u64,
+    pub max_offload_tokens: Option<u64>,
+    /// Block hashes appended so far (one per full GPU block).
+    pub num_hashes: u64,
+    /// Offload keys: the hash of the last GPU block of each complete chunk, back to back.
+    pub keys: Vec<u8>,
+    /// GPU block ids of the request (cleared at match and on resumption).
+    pub block_ids: Vec<u32>,
+    /// Next chunk to offload (chunks are offloaded in order).
+    pub next_stored_chunk: u64,
+    /// GPU prefix-cache hit tokens given to the last match.
+    pub num_local_computed: u64,
+    /// In-flight jobs: one load, or stores, never both.
+    pub jobs: Vec<u64>,
+    /// Finished or aborted; dropped once its last job completes.
+    pub finished: bool,
+    /// Tokens to recompute after a failed load: `[from, to)`; reported until the next match.
+    pub recompute: Option<(u64, u64)>,
+}
+
+impl Request {
+    pub fn num_keys(&self, key_len: usize) -> u64 {
+        (self.keys.len() / key_len) as u64
+    }
+
+    /// Keys of chunks `from..to`, back to back.
+    pub fn keys_of(&self, key_len: usize, from: u64, to: u64) -> &[u8] {
+        &self.keys[from as usize * key_len..to as usize * key_len]
+    }
+}
