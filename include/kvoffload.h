@@ -39,6 +39,16 @@
 #define KVO_MAX_KEY_LEN 64
 
 /**
+ * "No limit" for `max_offload_tokens`.
+ */
+#define KVO_NO_LIMIT UINT64_MAX
+
+/**
+ * Version of the step encoding; bumped on any change of the format.
+ */
+#define FORMAT_VERSION 1
+
+/**
  * The result of every fallible C function. `KVO_STATUS_OK` is 0; details of any other value
  * are in `kvo_last_error_message`.
  */
@@ -163,9 +173,106 @@ typedef uint32_t kvo_lookup;
 #endif // __cplusplus
 
 /**
+ * Answers of `kvo_scheduler_match` (`kvo_match_result.kind`).
+ */
+enum kvo_match
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Nothing to load: compute the request normally.
+   */
+  KVO_MATCH_MISS = 0,
+  /**
+   * `tokens` beyond the GPU hit can be loaded asynchronously.
+   */
+  KVO_MATCH_HIT = 1,
+  /**
+   * Ask again on a later step; allocate nothing for the request now.
+   */
+  KVO_MATCH_DEFER = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvo_match kvo_match;
+#else
+typedef uint32_t kvo_match;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Why a match was deferred (`kvo_match_result.defer_reason`).
+ */
+enum kvo_defer_reason
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Not deferred.
+   */
+  KVO_DEFER_REASON_NONE = 0,
+  /**
+   * The request has jobs in flight (nothing was looked up).
+   */
+  KVO_DEFER_REASON_JOBS_IN_FLIGHT = 1,
+  /**
+   * A key of the hit has its store in flight.
+   */
+  KVO_DEFER_REASON_STORE_IN_FLIGHT = 2,
+  /**
+   * A chunk of the hit is being loaded for another request.
+   */
+  KVO_DEFER_REASON_BEING_LOADED = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvo_defer_reason kvo_defer_reason;
+#else
+typedef uint32_t kvo_defer_reason;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Directions of a job (`kvo_job_info.kind`).
+ */
+enum kvo_job_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Host slots → GPU blocks.
+   */
+  KVO_JOB_KIND_LOAD = 0,
+  /**
+   * GPU blocks → host slots.
+   */
+  KVO_JOB_KIND_STORE = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvo_job_kind kvo_job_kind;
+#else
+typedef uint32_t kvo_job_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * An offload tier index: keys, host slots, eviction. Opaque.
  */
 typedef struct kvo_manager kvo_manager;
+
+/**
+ * The scheduler side of KV offloading. Opaque.
+ */
+typedef struct kvo_scheduler kvo_scheduler;
+
+/**
+ * A step plan: filled by `kvo_scheduler_build_step` or `kvo_step_decode`. Opaque.
+ */
+typedef struct kvo_step kvo_step;
 
 /**
  * Configuration of a manager. Fill it with `kvo_manager_config_default`, then change fields.
@@ -273,6 +380,262 @@ typedef struct kvo_manager_stats {
    */
   uint64_t evictions;
 } kvo_manager_stats;
+
+/**
+ * Configuration of a scheduler. Fill it with `kvo_scheduler_config_default`, then change fields.
+ */
+typedef struct kvo_scheduler_config {
+  /**
+   * `sizeof(kvo_scheduler_config)`, set by `kvo_scheduler_config_default`.
+   */
+  size_t struct_size;
+  /**
+   * Width of block hashes (offload keys) in bytes, 1..=64 (default 32).
+   */
+  uint32_t key_len;
+  /**
+   * Tokens per GPU block, >= 1 (default 16).
+   */
+  uint32_t gpu_block_size;
+  /**
+   * GPU blocks per offloaded chunk (host slot), >= 1 (default 1).
+   */
+  uint32_t block_size_factor;
+  /**
+   * A `kvo_policy` value (default `KVO_POLICY_LRU`).
+   */
+  uint32_t policy;
+  /**
+   * Host slots (default 0).
+   */
+  uint64_t num_slots;
+  /**
+   * Worker reports that complete a job (GPU ranks), >= 1 (default 1).
+   */
+  uint32_t num_workers;
+  /**
+   * Non-zero: offload prompt tokens only (default 1).
+   */
+  uint32_t offload_prompt_only;
+  /**
+   * When >= 2, a chunk is stored only after this many lookups (default 0: off).
+   */
+  uint32_t store_threshold;
+  /**
+   * Non-zero: buffer events for `kvo_scheduler_take_events` (default 0).
+   */
+  uint32_t enable_events;
+  /**
+   * Keys the store-threshold filter tracks, >= 1 (default 64000).
+   */
+  uint64_t max_tracker_size;
+} kvo_scheduler_config;
+
+/**
+ * The answer of `kvo_scheduler_match`.
+ */
+typedef struct kvo_match_result {
+  /**
+   * A `kvo_match` value.
+   */
+  uint32_t kind;
+  /**
+   * A `kvo_defer_reason` value (`KVO_DEFER_REASON_NONE` unless deferred).
+   */
+  uint32_t defer_reason;
+  /**
+   * Tokens to load for a hit, else 0.
+   */
+  uint64_t tokens;
+} kvo_match_result;
+
+/**
+ * One request scheduled in a step (see `kvo_scheduler_build_step`).
+ */
+typedef struct kvo_scheduled_request {
+  /**
+   * The request.
+   */
+  uint64_t request_id;
+  /**
+   * Tokens computed before this step.
+   */
+  uint64_t num_computed_tokens;
+  /**
+   * Tokens this step computes.
+   */
+  uint64_t num_scheduled_tokens;
+  /**
+   * Tokens of the request now (prompt + generated).
+   */
+  uint64_t num_tokens;
+  /**
+   * GPU block ids allocated since the last step (all of them when first scheduled or resumed);
+   * read during the call only. May be NULL when `n_new_block_ids` is 0.
+   */
+  const uint32_t *new_block_ids;
+  /**
+   * Entries of `new_block_ids`.
+   */
+  size_t n_new_block_ids;
+  /**
+   * Non-zero: resumed after preemption, `new_block_ids` replaces its block list.
+   */
+  uint32_t resumed;
+  /**
+   * Zero.
+   */
+  uint32_t reserved;
+} kvo_scheduled_request;
+
+/**
+ * One completion report (see `kvo_scheduler_complete_jobs`).
+ */
+typedef struct kvo_job_report {
+  /**
+   * The job.
+   */
+  uint64_t job_id;
+  /**
+   * Workers reporting, >= 1.
+   */
+  uint32_t count;
+  /**
+   * Zero if any of those workers failed the job.
+   */
+  uint32_t success;
+} kvo_job_report;
+
+/**
+ * Counters and gauges of a scheduler. Set `struct_size` before `kvo_scheduler_get_stats`.
+ */
+typedef struct kvo_scheduler_stats {
+  /**
+   * `sizeof(kvo_scheduler_stats)` as the caller knows it; only that many bytes are written.
+   */
+  size_t struct_size;
+  /**
+   * Requests tracked (including finished ones with jobs in flight).
+   */
+  uint64_t requests;
+  /**
+   * Matches answered.
+   */
+  uint64_t matches;
+  /**
+   * Matches deferred: the request had jobs in flight.
+   */
+  uint64_t deferred_jobs_in_flight;
+  /**
+   * Matches deferred: a hit key's store was in flight.
+   */
+  uint64_t deferred_store_in_flight;
+  /**
+   * Matches deferred: a hit chunk was being loaded for another request.
+   */
+  uint64_t deferred_being_loaded;
+  /**
+   * Matches answering a hit.
+   */
+  uint64_t hits;
+  /**
+   * Tokens of those hits.
+   */
+  uint64_t hit_tokens;
+  /**
+   * Load jobs made.
+   */
+  uint64_t load_jobs;
+  /**
+   * Store jobs made.
+   */
+  uint64_t store_jobs;
+  /**
+   * Chunks those store jobs offload.
+   */
+  uint64_t stored_chunks;
+  /**
+   * Store attempts answered "no room" (retried later).
+   */
+  uint64_t store_no_room;
+  /**
+   * Jobs that completed with a failure.
+   */
+  uint64_t failed_jobs;
+  /**
+   * Load jobs in flight now.
+   */
+  uint64_t loads_in_flight;
+  /**
+   * Store jobs in flight now.
+   */
+  uint64_t stores_in_flight;
+  /**
+   * The tier's stats (its `struct_size` is `sizeof(kvo_manager_stats)`).
+   */
+  struct kvo_manager_stats manager;
+} kvo_scheduler_stats;
+
+/**
+ * Summary of a step plan.
+ */
+typedef struct kvo_step_info {
+  /**
+   * Jobs in the plan (loads first, then stores).
+   */
+  size_t num_jobs;
+  /**
+   * Job ids to wait for before the forward pass.
+   */
+  size_t num_flush;
+  /**
+   * GPU blocks per host slot.
+   */
+  uint32_t block_size_factor;
+  /**
+   * Zero.
+   */
+  uint32_t reserved;
+} kvo_step_info;
+
+/**
+ * One job of a step plan.
+ */
+typedef struct kvo_job_info {
+  /**
+   * Job id (unique for the scheduler's lifetime).
+   */
+  uint64_t id;
+  /**
+   * The request the job belongs to.
+   */
+  uint64_t request_id;
+  /**
+   * A `kvo_job_kind` value.
+   */
+  uint32_t kind;
+  /**
+   * GPU blocks copied.
+   */
+  uint32_t group_size;
+  /**
+   * Logical index within the request of the first GPU block copied; for loads
+   * `block_index % block_size_factor` leading GPU blocks of the first host slot are skipped.
+   */
+  uint32_t block_index;
+  /**
+   * Zero.
+   */
+  uint32_t reserved;
+  /**
+   * Source block ids (host slots for a load, GPU blocks for a store).
+   */
+  size_t n_src;
+  /**
+   * Destination block ids (GPU blocks for a load, host slots for a store).
+   */
+  size_t n_dst;
+} kvo_job_info;
 
 #ifdef __cplusplus
 extern "C" {
@@ -515,6 +878,342 @@ KVO_NODISCARD kvo_status kvo_manager_reset(struct kvo_manager *m);
  * `m` is NULL or a live handle.
  */
 KVO_NODISCARD kvo_status kvo_manager_check_invariants(const struct kvo_manager *m);
+
+/**
+ * Fills `out` with the defaults and `struct_size = sizeof(kvo_scheduler_config)`.
+ *
+ * Returns `KVO_STATUS_OK` or `KVO_STATUS_NULL_ARGUMENT`.
+ *
+ * # Safety
+ * `out` is NULL or points to a writable `kvo_scheduler_config`.
+ */
+KVO_NODISCARD kvo_status kvo_scheduler_config_default(struct kvo_scheduler_config *out);
+
+/**
+ * Creates a scheduler (and its tier). On success writes a new handle to `*out`, freed with
+ * `kvo_scheduler_free`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for a
+ * `struct_size` too small, `key_len` outside 1..=64, a zero `gpu_block_size`,
+ * `block_size_factor` or `num_workers`, an unknown policy, or a bad tier setting.
+ *
+ * # Safety
+ * `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_new(const struct kvo_scheduler_config *cfg,
+                             struct kvo_scheduler **out);
+
+/**
+ * Frees a scheduler. NULL is ignored. Must not race with other calls on the same handle.
+ *
+ * # Safety
+ * `s` is NULL or a handle from `kvo_scheduler_new` not freed yet.
+ */
+void kvo_scheduler_free(struct kvo_scheduler *s);
+
+/**
+ * Starts tracking a request of `prompt_tokens` tokens; `max_offload_tokens` caps the tokens
+ * offloaded for it (`KVO_NO_LIMIT`: none; 0: nothing is offloaded).
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_STATE` if the request
+ * is already tracked.
+ *
+ * # Safety
+ * `s` is NULL or a live handle.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_add_request(struct kvo_scheduler *s,
+                                     uint64_t request_id,
+                                     uint64_t prompt_tokens,
+                                     uint64_t max_offload_tokens);
+
+/**
+ * Appends `n_hashes` block hashes (one per newly full GPU block, `key_len` bytes each, back to
+ * back) and sets the request's token count to `num_tokens`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
+ * request; `KVO_STATUS_INVALID_STATE` if it is finished; `KVO_STATUS_INVALID_ARGUMENT` if the
+ * hashes overflow or exceed the full blocks of `num_tokens`.
+ *
+ * # Safety
+ * `s` is NULL or live; `hashes` NULL or `n_hashes * key_len` readable bytes.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_append_block_hashes(struct kvo_scheduler *s,
+                                             uint64_t request_id,
+                                             const uint8_t *hashes,
+                                             size_t n_hashes,
+                                             uint64_t num_tokens);
+
+/**
+ * Matches a waiting request against the tier; `num_computed_tokens` are its GPU prefix-cache
+ * hit tokens. Clears the request's GPU block ids. While the request has jobs in flight the
+ * answer is DEFER (`KVO_DEFER_REASON_JOBS_IN_FLIGHT`) and nothing is looked up or touched.
+ * A HIT needs at least one full chunk beyond the GPU hit; the request's keys are then touched.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
+ * request; `KVO_STATUS_INVALID_STATE` if it is finished or its hashes do not cover its tokens.
+ *
+ * # Safety
+ * `s` is NULL or live; `out` NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_match(struct kvo_scheduler *s,
+                               uint64_t request_id,
+                               uint64_t num_computed_tokens,
+                               struct kvo_match_result *out);
+
+/**
+ * Records the GPU blocks allocated to a matched request (`block_ids`: all its blocks) and, with
+ * `num_external_tokens > 0` (the hit), makes its load job for the next step. Writes 1 and the job
+ * id to `*out_has_job` / `*out_job_id`, or 0 (and leaves `*out_job_id`) without a load.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
+ * request or a key no longer stored; `KVO_STATUS_INVALID_STATE` if the request has jobs in
+ * flight or is finished, or a key's store is in flight; `KVO_STATUS_INVALID_ARGUMENT` if the
+ * tokens exceed its offloaded chunks or `block_ids` is shorter than the tokens need. On failure
+ * nothing changes.
+ *
+ * # Safety
+ * `s` is NULL or live; `block_ids` NULL or `n_block_ids` readable entries; outputs writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_on_alloc(struct kvo_scheduler *s,
+                                  uint64_t request_id,
+                                  const uint32_t *block_ids,
+                                  size_t n_block_ids,
+                                  uint64_t num_external_tokens,
+                                  uint32_t *out_has_job,
+                                  uint64_t *out_job_id);
+
+/**
+ * Builds this step's plan into `step`: the load jobs made since the last step, the store jobs of
+ * the scheduled requests' newly complete chunks, and the flush set (jobs of `preempted`
+ * requests, stores of finished requests whose GPU blocks were allocated again, jobs of a reset).
+ * Call it once per engine step, after admissions (`kvo_scheduler_on_alloc`).
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
+ * request; `KVO_STATUS_INVALID_STATE` for a finished one; `KVO_STATUS_INVALID_ARGUMENT` for a
+ * request scheduled twice, a token count overflow, or block ids that do not cover its tokens.
+ * On failure nothing changes and `step` is not written.
+ *
+ * # Safety
+ * `s`, `step` NULL or live; `scheduled` NULL or `n_scheduled` entries whose block pointers are
+ * valid as documented; `preempted` NULL or `n_preempted` entries.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_build_step(struct kvo_scheduler *s,
+                                    const struct kvo_scheduled_request *scheduled,
+                                    size_t n_scheduled,
+                                    const uint64_t *preempted,
+                                    size_t n_preempted,
+                                    struct kvo_step *step);
+
+/**
+ * Counts worker reports. A job completes once `num_workers` reports arrived (failed if any
+ * failed): a store's chunks become ready (or are rolled back); a load's keys are unpinned (on
+ * failure also dropped from the tier, and `kvo_scheduler_load_failure` tells what the request
+ * must recompute). Reports of jobs from before a reset are ignored.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for a job id not in
+ * flight; `KVO_STATUS_INVALID_ARGUMENT` for a zero count or more reports than workers. On failure
+ * no report is applied.
+ *
+ * # Safety
+ * `s` is NULL or live; `reports` NULL or `n_reports` readable entries.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_complete_jobs(struct kvo_scheduler *s,
+                                       const struct kvo_job_report *reports,
+                                       size_t n_reports);
+
+/**
+ * Finishes or aborts a request. Without jobs in flight its state is dropped now; otherwise after
+ * its last job completes, and meanwhile its stores' GPU blocks are fenced (reallocating one makes
+ * the next step flush them). An aborted request's load releases its pins when it completes.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
+ * request; `KVO_STATUS_INVALID_STATE` if it was already finished.
+ *
+ * # Safety
+ * `s` is NULL or a live handle.
+ */
+KVO_NODISCARD kvo_status kvo_scheduler_finish_request(struct kvo_scheduler *s, uint64_t request_id);
+
+/**
+ * Tells whether the request's last load failed: writes 1 and the tokens to recompute
+ * (`[*out_from_token, *out_to_token)`), or 0 (leaving the token outputs). Reported until the
+ * request's next match.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
+ * request.
+ *
+ * # Safety
+ * `s` is NULL or live; outputs NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_load_failure(const struct kvo_scheduler *s,
+                                      uint64_t request_id,
+                                      uint32_t *out_failed,
+                                      uint64_t *out_from_token,
+                                      uint64_t *out_to_token);
+
+/**
+ * Drops the whole tier: in-flight jobs go into the next step's flush set and their later reports
+ * are ignored; finished requests are dropped; live requests restart storing from their first
+ * chunk with no job in flight.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_STATE` while load jobs
+ * made since the last step are not in a step yet (build the step first).
+ *
+ * # Safety
+ * `s` is NULL or a live handle.
+ */
+KVO_NODISCARD kvo_status kvo_scheduler_reset(struct kvo_scheduler *s);
+
+/**
+ * Takes the tier's buffered events; same contract as `kvo_manager_take_events`.
+ *
+ * # Safety
+ * As for `kvo_manager_take_events`.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_take_events(struct kvo_scheduler *s,
+                                     struct kvo_event *out_events,
+                                     size_t events_cap,
+                                     uint8_t *out_keys,
+                                     size_t keys_cap,
+                                     size_t *out_n_events,
+                                     size_t *out_n_keys);
+
+/**
+ * Writes the counters and gauges to `*out` (only `out->struct_size` bytes).
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if
+ * `out->struct_size` is smaller than `sizeof(size_t)`.
+ *
+ * # Safety
+ * `s` is NULL or live; `out` NULL or `out->struct_size` writable bytes.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_get_stats(const struct kvo_scheduler *s,
+                                   struct kvo_scheduler_stats *out);
+
+/**
+ * Recounts the scheduler's and tier's state and compares it with their bookkeeping (jobs vs
+ * requests, pins vs in-flight loads, fence). For tests and debug builds: O(state).
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INTERNAL` naming the broken
+ * invariant.
+ *
+ * # Safety
+ * `s` is NULL or a live handle.
+ */
+KVO_NODISCARD kvo_status kvo_scheduler_check_invariants(const struct kvo_scheduler *s);
+
+/**
+ * Creates an empty step plan; writes it to `*out` on success. Free it with `kvo_step_free`.
+ *
+ * Returns `KVO_STATUS_OK` or `KVO_STATUS_NULL_ARGUMENT`.
+ *
+ * # Safety
+ * `out` is NULL or writable.
+ */
+KVO_NODISCARD kvo_status kvo_step_new(struct kvo_step **out);
+
+/**
+ * Frees a step plan. NULL is ignored. Must not race with other calls on the same handle.
+ *
+ * # Safety
+ * `step` is NULL or a handle from `kvo_step_new` not freed yet.
+ */
+void kvo_step_free(struct kvo_step *step);
+
+/**
+ * Writes the plan's summary to `*out`.
+ *
+ * Returns `KVO_STATUS_OK` or `KVO_STATUS_NULL_ARGUMENT`.
+ *
+ * # Safety
+ * `step` is NULL or live; `out` is NULL or writable.
+ */
+KVO_NODISCARD kvo_status kvo_step_get_info(const struct kvo_step *step, struct kvo_step_info *out);
+
+/**
+ * Writes job `index` (0-based, below `num_jobs`) to `*out`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if `index`
+ * is out of range.
+ *
+ * # Safety
+ * `step` is NULL or live; `out` is NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_step_get_job(const struct kvo_step *step,
+                            size_t index,
+                            struct kvo_job_info *out);
+
+/**
+ * Copies job `index`'s source and destination block ids to `out_src` (`src_cap` entries) and
+ * `out_dst` (`dst_cap` entries); `kvo_step_get_job` gives the counts.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if `index`
+ * is out of range; `KVO_STATUS_BUFFER_TOO_SMALL` if a capacity is below the job's count.
+ *
+ * # Safety
+ * `step` is NULL or live; `out_src` / `out_dst` NULL or `src_cap` / `dst_cap` writable entries.
+ */
+KVO_NODISCARD
+kvo_status kvo_step_get_job_blocks(const struct kvo_step *step,
+                                   size_t index,
+                                   uint32_t *out_src,
+                                   size_t src_cap,
+                                   uint32_t *out_dst,
+                                   size_t dst_cap);
+
+/**
+ * Copies the flush set (job ids to wait for before the forward pass, ascending) to `out_ids`
+ * and its size to `*out_n`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_BUFFER_TOO_SMALL` if `cap` is
+ * too small (the size is written to `*out_n`).
+ *
+ * # Safety
+ * `step` is NULL or live; `out_ids` NULL or `cap` writable entries; `out_n` NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_step_get_flush(const struct kvo_step *step,
+                              uint64_t *out_ids,
+                              size_t cap,
+                              size_t *out_n);
+
+/**
+ * Encodes the plan for another process (versioned, checksummed) into `buf` and writes its
+ * length to `*out_len`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_BUFFER_TOO_SMALL` if `cap`
+ * is too small (the needed length is written to `*out_len`; pass `cap` 0 to ask).
+ *
+ * # Safety
+ * `step` is NULL or live; `buf` NULL or `cap` writable bytes; `out_len` NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_step_encode(const struct kvo_step *step,
+                           uint8_t *buf,
+                           size_t cap,
+                           size_t *out_len);
+
+/**
+ * Replaces the plan with one decoded from `len` bytes made by `kvo_step_encode`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_CORRUPT_DATA` for truncated
+ * or corrupt bytes or another format version (the plan is then unchanged).
+ *
+ * # Safety
+ * `step` is NULL or live; `bytes` NULL or `len` readable bytes.
+ */
+KVO_NODISCARD kvo_status kvo_step_decode(struct kvo_step *step, const uint8_t *bytes, size_t len);
 
 #ifdef __cplusplus
 }  // extern "C"

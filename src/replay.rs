@@ -33,8 +33,9 @@ pub fn load_trace(path: &Path) -> Result<Vec<TraceRequest>> {
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| {
-            serde_json::from_str(l)
-                .map_err(|e| Error::CorruptData(format!("trace {} line {}: {e}", path.display(), i + 1)))
+            serde_json::from_str(l).map_err(|e| {
+                Error::CorruptData(format!("trace {} line {}: {e}", path.display(), i + 1))
+            })
         })
         .collect()
 }
@@ -115,13 +116,21 @@ pub struct RustTier {
 impl RustTier {
     /// A tier over a new manager.
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
-        Ok(Self { manager: Manager::new(cfg)?, plan: StorePlan::default(), slots: Vec::new(), done: Vec::new() })
+        Ok(Self {
+            manager: Manager::new(cfg)?,
+            plan: StorePlan::default(),
+            slots: Vec::new(),
+            done: Vec::new(),
+        })
     }
 }
 
 impl Tier for RustTier {
     fn lookup_prefix(&mut self, keys: &[u8]) -> usize {
-        self.manager.lookup_prefix(keys).expect("lookup_prefix").hits
+        self.manager
+            .lookup_prefix(keys)
+            .expect("lookup_prefix")
+            .hits
     }
 
     fn touch(&mut self, keys: &[u8]) {
@@ -130,7 +139,9 @@ impl Tier for RustTier {
 
     fn load(&mut self, keys: &[u8]) {
         self.slots.resize(keys.len() / self.manager.key_len(), 0);
-        self.manager.prepare_load(keys, &mut self.slots).expect("prepare_load");
+        self.manager
+            .prepare_load(keys, &mut self.slots)
+            .expect("prepare_load");
         self.manager.complete_load(keys).expect("complete_load");
     }
 
@@ -140,9 +151,12 @@ impl Tier for RustTier {
             Ok(c) => {
                 self.done.clear();
                 for &i in &self.plan.indices {
-                    self.done.extend_from_slice(&keys[i as usize * kl..(i as usize + 1) * kl]);
+                    self.done
+                        .extend_from_slice(&keys[i as usize * kl..(i as usize + 1) * kl]);
                 }
-                self.manager.complete_store(&self.done, true).expect("complete_store");
+                self.manager
+                    .complete_store(&self.done, true)
+                    .expect("complete_store");
                 Some(c.stored)
             }
             Err(Error::NoRoom(_)) => None,
@@ -167,22 +181,38 @@ impl FfiTier {
         let mut c = std::mem::MaybeUninit::uninit();
         // SAFETY: valid out-pointers; the handle is freed in Drop.
         unsafe {
-            assert_eq!(ffi::kvo_manager_config_default(c.as_mut_ptr()), kvo_status::Ok);
+            assert_eq!(
+                ffi::kvo_manager_config_default(c.as_mut_ptr()),
+                kvo_status::Ok
+            );
             let mut c = c.assume_init();
             c.key_len = cfg.key_len as u32;
             c.num_slots = cfg.num_slots as u64;
             c.policy = cfg.policy as u32;
             let mut handle = std::ptr::null_mut();
             assert_eq!(ffi::kvo_manager_new(&c, &mut handle), kvo_status::Ok);
-            Self { handle, key_len: cfg.key_len, idx: vec![], slots: vec![], evicted: vec![], done: vec![] }
+            Self {
+                handle,
+                key_len: cfg.key_len,
+                idx: vec![],
+                slots: vec![],
+                evicted: vec![],
+                done: vec![],
+            }
         }
     }
 
     /// The tier's stats through the C ABI.
     pub fn stats(&self) -> ffi::kvo_manager_stats {
-        let mut s = ffi::kvo_manager_stats { struct_size: size_of::<ffi::kvo_manager_stats>(), ..Default::default() };
+        let mut s = ffi::kvo_manager_stats {
+            struct_size: size_of::<ffi::kvo_manager_stats>(),
+            ..Default::default()
+        };
         // SAFETY: live handle, valid out-pointer.
-        assert_eq!(unsafe { ffi::kvo_manager_get_stats(self.handle, &mut s) }, kvo_status::Ok);
+        assert_eq!(
+            unsafe { ffi::kvo_manager_get_stats(self.handle, &mut s) },
+            kvo_status::Ok
+        );
         s
     }
 }
@@ -199,14 +229,18 @@ impl Tier for FfiTier {
         let n = keys.len() / self.key_len;
         let (mut hits, mut retry) = (0usize, 0u32);
         // SAFETY: live handle; `keys` holds n keys; valid out-pointers.
-        let st = unsafe { ffi::kvo_manager_lookup_prefix(self.handle, keys.as_ptr(), n, &mut hits, &mut retry) };
+        let st = unsafe {
+            ffi::kvo_manager_lookup_prefix(self.handle, keys.as_ptr(), n, &mut hits, &mut retry)
+        };
         assert_eq!(st, kvo_status::Ok);
         hits
     }
 
     fn touch(&mut self, keys: &[u8]) {
         // SAFETY: as above.
-        let st = unsafe { ffi::kvo_manager_touch(self.handle, keys.as_ptr(), keys.len() / self.key_len) };
+        let st = unsafe {
+            ffi::kvo_manager_touch(self.handle, keys.as_ptr(), keys.len() / self.key_len)
+        };
         assert_eq!(st, kvo_status::Ok);
     }
 
@@ -215,9 +249,18 @@ impl Tier for FfiTier {
         self.slots.resize(n, 0);
         // SAFETY: as above; `slots` holds n entries.
         unsafe {
-            let st = ffi::kvo_manager_prepare_load(self.handle, keys.as_ptr(), n, self.slots.as_mut_ptr(), n);
+            let st = ffi::kvo_manager_prepare_load(
+                self.handle,
+                keys.as_ptr(),
+                n,
+                self.slots.as_mut_ptr(),
+                n,
+            );
             assert_eq!(st, kvo_status::Ok);
-            assert_eq!(ffi::kvo_manager_complete_load(self.handle, keys.as_ptr(), n), kvo_status::Ok);
+            assert_eq!(
+                ffi::kvo_manager_complete_load(self.handle, keys.as_ptr(), n),
+                kvo_status::Ok
+            );
         }
     }
 
@@ -248,7 +291,8 @@ impl Tier for FfiTier {
         }
         self.done.clear();
         for &i in &self.idx[..ns] {
-            self.done.extend_from_slice(&keys[i as usize * kl..(i as usize + 1) * kl]);
+            self.done
+                .extend_from_slice(&keys[i as usize * kl..(i as usize + 1) * kl]);
         }
         // SAFETY: as above.
         let st = unsafe { ffi::kvo_manager_complete_store(self.handle, self.done.as_ptr(), ns, 1) };
@@ -258,7 +302,10 @@ impl Tier for FfiTier {
 }
 
 /// Manager stats after a replay through the Rust API (for reports).
-pub fn replay_rust(cfg: ManagerConfig, requests: &[Vec<u8>]) -> Result<(ReplayOutcome, ManagerStats)> {
+pub fn replay_rust(
+    cfg: ManagerConfig,
+    requests: &[Vec<u8>],
+) -> Result<(ReplayOutcome, ManagerStats)> {
     let kl = cfg.key_len;
     let mut tier = RustTier::new(cfg)?;
     let out = replay(&mut tier, requests, kl);

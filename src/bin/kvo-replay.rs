@@ -19,7 +19,10 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
-        trace: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/traces/conversation_trace.jsonl")),
+        trace: PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../shared/traces/conversation_trace.jsonl"
+        )),
         slots: 5859,
         key_len: 8,
         policies: vec![Policy::Lru, Policy::Arc],
@@ -76,7 +79,12 @@ fn main() -> ExitCode {
         args.key_len
     );
     for &policy in &args.policies {
-        let cfg = ManagerConfig { key_len: args.key_len, num_slots: args.slots, policy, ..Default::default() };
+        let cfg = ManagerConfig {
+            key_len: args.key_len,
+            num_slots: args.slots,
+            policy,
+            ..Default::default()
+        };
         let mut rust = RustTier::new(cfg.clone()).expect("valid config");
         let t = Instant::now();
         let out = replay(&mut rust, &requests, args.key_len);

@@ -1,8 +1,8 @@
 //! `kvo_manager_*`: the offload tier index ([`crate::manager::Manager`]) behind a C handle.
 
 use super::{
-    Failure, FfiResult, guard, handle, kvo_status, lock, non_null, read_config, slice, slice_mut,
-    write,
+    Failure, FfiResult, copy_events, guard, handle, kvo_status, lock, non_null, read_config, slice,
+    slice_mut, write, write_sized,
 };
 use crate::manager::{Lookup, Manager, ManagerConfig, ManagerStats, Policy};
 use std::sync::Mutex;
@@ -75,6 +75,24 @@ pub struct kvo_manager_stats {
     pub stores_skipped: u64,
     /// Keys evicted (cumulative).
     pub evictions: u64,
+}
+
+impl From<ManagerStats> for kvo_manager_stats {
+    fn from(s: ManagerStats) -> Self {
+        Self {
+            struct_size: size_of::<Self>(),
+            capacity: s.capacity,
+            used: s.used,
+            ready: s.ready,
+            evictable: s.evictable,
+            pinned: s.pinned,
+            stores_in_flight: s.stores_in_flight,
+            lookups: s.lookups,
+            hits: s.hits,
+            stores_skipped: s.stores_skipped,
+            evictions: s.evictions,
+        }
+    }
 }
 
 /// One event of `kvo_manager_take_events`: keys `first_key .. first_key + n_keys` of the keys
@@ -459,46 +477,23 @@ pub unsafe extern "C" fn kvo_manager_take_events(
     out_n_keys: *mut usize,
 ) -> kvo_status {
     guard(|| {
-        non_null(out_n_events, "out_n_events")?;
-        non_null(out_n_keys, "out_n_keys")?;
         // SAFETY: forwarded from the caller.
-        let h = unsafe { handle(m, MANAGER) }?;
-        let mut mgr = h.get()?;
-        let log = mgr.events();
-        let (ne, nk) = (log.len(), log.num_keys());
-        if events_cap < ne || keys_cap < nk {
-            write(out_n_events, ne);
-            write(out_n_keys, nk);
-            let which = if events_cap < ne {
-                "events_cap"
-            } else {
-                "keys_cap"
-            };
-            return Err(Failure::new(
-                kvo_status::BufferTooSmall,
-                format!("{which}: {ne} events with {nk} keys buffered"),
-            ));
-        }
+        let mut mgr = unsafe { handle(m, MANAGER) }?.get()?;
+        let kl = mgr.key_len();
         // SAFETY: forwarded from the caller.
-        let evs = unsafe { slice_mut(out_events, ne, "out_events") }?;
-        // SAFETY: forwarded from the caller.
-        let keys = unsafe { slice_mut(out_keys, log.all_keys().len(), "out_keys") }?;
-        let log = mgr.take_events();
-        keys.copy_from_slice(log.all_keys());
-        let kl = mgr.key_len() as u64;
-        let mut first = 0u64;
-        for (slot, e) in evs.iter_mut().zip(log.iter()) {
-            let n = e.keys.len() as u64 / kl;
-            *slot = kvo_event {
-                first_key: first,
-                n_keys: n,
-                removed: e.removed as u32,
-                reserved: 0,
-            };
-            first += n;
-        }
-        write(out_n_events, ne);
-        write(out_n_keys, nk);
+        unsafe {
+            copy_events(
+                mgr.events(),
+                kl,
+                out_events,
+                events_cap,
+                out_keys,
+                keys_cap,
+                out_n_events,
+                out_n_keys,
+            )
+        }?;
+        mgr.take_events();
         Ok(())
     })
 }
@@ -520,32 +515,9 @@ pub unsafe extern "C" fn kvo_manager_get_stats(
     guard(|| {
         // SAFETY: forwarded from the caller.
         let h = unsafe { handle(m, MANAGER) }?;
-        non_null(out, "out")?;
-        // SAFETY: non-NULL; the struct starts with a size_t.
-        let size = unsafe { (out as *const usize).read_unaligned() };
-        if size < size_of::<usize>() {
-            return Err(Failure::invalid(format!(
-                "out->struct_size: {size} is too small"
-            )));
-        }
-        let s: ManagerStats = h.get()?.stats();
-        let full = kvo_manager_stats {
-            struct_size: size_of::<kvo_manager_stats>().min(size),
-            capacity: s.capacity,
-            used: s.used,
-            ready: s.ready,
-            evictable: s.evictable,
-            pinned: s.pinned,
-            stores_in_flight: s.stores_in_flight,
-            lookups: s.lookups,
-            hits: s.hits,
-            stores_skipped: s.stores_skipped,
-            evictions: s.evictions,
-        };
-        let n = size_of::<kvo_manager_stats>().min(size);
-        // SAFETY: `out` holds `size >= n` bytes; `full` is `n` or more bytes.
-        unsafe { std::ptr::copy_nonoverlapping(&full as *const _ as *const u8, out as *mut u8, n) };
-        Ok(())
+        let full = kvo_manager_stats::from(h.get()?.stats());
+        // SAFETY: forwarded from the caller.
+        unsafe { write_sized(out, full, "out") }
     })
 }
 

@@ -7,10 +7,14 @@
 #![allow(non_camel_case_types)]
 
 mod manager;
+mod scheduler;
 mod status;
+mod step;
 
 pub use manager::*;
+pub use scheduler::*;
 pub use status::kvo_status;
+pub use step::*;
 
 use crate::error::Error;
 use std::cell::RefCell;
@@ -187,6 +191,84 @@ pub(crate) unsafe fn read_config<T: Copy>(p: *const T, name: &str) -> Result<T, 
     }
     // SAFETY: at least size_of::<T>() bytes are readable.
     Ok(unsafe { p.read_unaligned() })
+}
+
+/// Writes `value` to a caller struct whose first field is `size_t struct_size` (set by the
+/// caller): only `min(struct_size, sizeof(T))` bytes are written, so callers built against an
+/// older, shorter struct stay safe. `value.struct_size` must already hold `sizeof(T)`.
+///
+/// # Safety
+/// `out` is NULL or points to `out->struct_size` writable bytes.
+pub(crate) unsafe fn write_sized<T: Copy>(out: *mut T, value: T, name: &str) -> FfiResult {
+    non_null(out, name)?;
+    // SAFETY: non-NULL; the struct starts with a size_t.
+    let size = unsafe { (out as *const usize).read_unaligned() };
+    if size < size_of::<usize>() {
+        return Err(Failure::invalid(format!(
+            "{name}->struct_size: {size} is too small"
+        )));
+    }
+    let n = size_of::<T>().min(size);
+    // SAFETY: `out` holds `size >= n` bytes, `value` at least `n`; the first field is then
+    // overwritten with the size actually written.
+    unsafe {
+        std::ptr::copy_nonoverlapping(&value as *const T as *const u8, out as *mut u8, n);
+        (out as *mut usize).write_unaligned(n);
+    }
+    Ok(())
+}
+
+/// Copies the buffered events of `log` into the caller's buffers (see `kvo_manager_take_events`).
+/// Returns Ok when they fit; the caller then drains the log.
+///
+/// # Safety
+/// As for `kvo_manager_take_events`.
+#[allow(clippy::too_many_arguments)] // mirrors the C signature
+pub(crate) unsafe fn copy_events(
+    log: &crate::manager::EventLog,
+    key_len: usize,
+    out_events: *mut kvo_event,
+    events_cap: usize,
+    out_keys: *mut u8,
+    keys_cap: usize,
+    out_n_events: *mut usize,
+    out_n_keys: *mut usize,
+) -> FfiResult {
+    non_null(out_n_events, "out_n_events")?;
+    non_null(out_n_keys, "out_n_keys")?;
+    let (ne, nk) = (log.len(), log.num_keys());
+    if events_cap < ne || keys_cap < nk {
+        write(out_n_events, ne);
+        write(out_n_keys, nk);
+        let which = if events_cap < ne {
+            "events_cap"
+        } else {
+            "keys_cap"
+        };
+        return Err(Failure::new(
+            kvo_status::BufferTooSmall,
+            format!("{which}: {ne} events with {nk} keys buffered"),
+        ));
+    }
+    // SAFETY: forwarded from the caller.
+    let evs = unsafe { slice_mut(out_events, ne, "out_events") }?;
+    // SAFETY: forwarded from the caller.
+    let keys = unsafe { slice_mut(out_keys, log.all_keys().len(), "out_keys") }?;
+    keys.copy_from_slice(log.all_keys());
+    let mut first = 0u64;
+    for (slot, e) in evs.iter_mut().zip(log.iter()) {
+        let n = (e.keys.len() / key_len) as u64;
+        *slot = kvo_event {
+            first_key: first,
+            n_keys: n,
+            removed: e.removed as u32,
+            reserved: 0,
+        };
+        first += n;
+    }
+    write(out_n_events, ne);
+    write(out_n_keys, nk);
+    Ok(())
 }
 
 /// Copies the calling thread's last error message into `buf` (NUL-terminated, truncated to

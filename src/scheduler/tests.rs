@@ -5,7 +5,6 @@ use crate::manager::Lookup;
 
 const GBS: u64 = 4;
 const F: u64 = 3;
-const OBS: u64 = GBS * F;
 
 fn cfg() -> SchedulerConfig {
     SchedulerConfig {

@@ -1,0 +1,326 @@
+//! `kvo_step_*`: a step plan (the jobs of one step and the flush set) and its binary encoding.
+
+use super::{Failure, guard, handle, kvo_status, lock, non_null, slice, slice_mut, write};
+use crate::scheduler::{JobKind, Step};
+use std::sync::{Mutex, MutexGuard};
+
+/// Directions of a job (`kvo_job_info.kind`).
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvo_job_kind {
+    /// Host slots → GPU blocks.
+    Load = 0,
+    /// GPU blocks → host slots.
+    Store = 1,
+}
+
+/// A step plan: filled by `kvo_scheduler_build_step` or `kvo_step_decode`. Opaque.
+pub struct kvo_step {
+    inner: Mutex<StepState>,
+}
+
+#[derive(Default)]
+struct StepState {
+    step: Step,
+    encoded: Vec<u8>,
+}
+
+impl kvo_step {
+    pub(crate) fn with_step<T>(&self, f: impl FnOnce(&mut Step) -> T) -> Result<T, Failure> {
+        Ok(f(&mut self.get()?.step))
+    }
+
+    fn get(&self) -> Result<MutexGuard<'_, StepState>, Failure> {
+        lock(&self.inner, "step")
+    }
+}
+
+/// Summary of a step plan.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct kvo_step_info {
+    /// Jobs in the plan (loads first, then stores).
+    pub num_jobs: usize,
+    /// Job ids to wait for before the forward pass.
+    pub num_flush: usize,
+    /// GPU blocks per host slot.
+    pub block_size_factor: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+/// One job of a step plan.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct kvo_job_info {
+    /// Job id (unique for the scheduler's lifetime).
+    pub id: u64,
+    /// The request the job belongs to.
+    pub request_id: u64,
+    /// A `kvo_job_kind` value.
+    pub kind: u32,
+    /// GPU blocks copied.
+    pub group_size: u32,
+    /// Logical index within the request of the first GPU block copied; for loads
+    /// `block_index % block_size_factor` leading GPU blocks of the first host slot are skipped.
+    pub block_index: u32,
+    /// Zero.
+    pub reserved: u32,
+    /// Source block ids (host slots for a load, GPU blocks for a store).
+    pub n_src: usize,
+    /// Destination block ids (GPU blocks for a load, host slots for a store).
+    pub n_dst: usize,
+}
+
+const STEP: &str = "step";
+
+/// Creates an empty step plan; writes it to `*out` on success. Free it with `kvo_step_free`.
+///
+/// Returns `KVO_STATUS_OK` or `KVO_STATUS_NULL_ARGUMENT`.
+///
+/// # Safety
+/// `out` is NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_step_new(out: *mut *mut kvo_step) -> kvo_status {
+    guard(|| {
+        non_null(out, "out")?;
+        write(
+            out,
+            Box::into_raw(Box::new(kvo_step {
+                inner: Mutex::new(StepState::default()),
+            })),
+        );
+        Ok(())
+    })
+}
+
+/// Frees a step plan. NULL is ignored. Must not race with other calls on the same handle.
+///
+/// # Safety
+/// `step` is NULL or a handle from `kvo_step_new` not freed yet.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvo_step_free(step: *mut kvo_step) {
+    let _ = guard(|| {
+        if !step.is_null() {
+            // SAFETY: a live handle from kvo_step_new, freed once.
+            drop(unsafe { Box::from_raw(step) });
+        }
+        Ok(())
+    });
+}
+
+/// Writes the plan's summary to `*out`.
+///
+/// Returns `KVO_STATUS_OK` or `KVO_STATUS_NULL_ARGUMENT`.
+///
+/// # Safety
+/// `step` is NULL or live; `out` is NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_step_get_info(
+    step: *const kvo_step,
+    out: *mut kvo_step_info,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { handle(step, STEP) }?;
+        non_null(out, "out")?;
+        let info = h.with_step(|s| kvo_step_info {
+            num_jobs: s.jobs().len(),
+            num_flush: s.flush().len(),
+            block_size_factor: s.block_size_factor,
+            reserved: 0,
+        })?;
+        write(out, info);
+        Ok(())
+    })
+}
+
+/// Writes job `index` (0-based, below `num_jobs`) to `*out`.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if `index`
+/// is out of range.
+///
+/// # Safety
+/// `step` is NULL or live; `out` is NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_step_get_job(
+    step: *const kvo_step,
+    index: usize,
+    out: *mut kvo_job_info,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { handle(step, STEP) }?;
+        non_null(out, "out")?;
+        let info = h.with_step(|s| {
+            let j = s.jobs().get(index).ok_or_else(|| {
+                Failure::invalid(format!(
+                    "index: {index}, the step has {} jobs",
+                    s.jobs().len()
+                ))
+            })?;
+            Ok::<_, Failure>(kvo_job_info {
+                id: j.id,
+                request_id: j.request_id,
+                kind: match j.kind {
+                    JobKind::Load => kvo_job_kind::Load,
+                    JobKind::Store => kvo_job_kind::Store,
+                } as u32,
+                group_size: j.group_size,
+                block_index: j.block_index,
+                reserved: 0,
+                n_src: s.src(j).len(),
+                n_dst: s.dst(j).len(),
+            })
+        })??;
+        write(out, info);
+        Ok(())
+    })
+}
+
+/// Copies job `index`'s source and destination block ids to `out_src` (`src_cap` entries) and
+/// `out_dst` (`dst_cap` entries); `kvo_step_get_job` gives the counts.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if `index`
+/// is out of range; `KVO_STATUS_BUFFER_TOO_SMALL` if a capacity is below the job's count.
+///
+/// # Safety
+/// `step` is NULL or live; `out_src` / `out_dst` NULL or `src_cap` / `dst_cap` writable entries.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_step_get_job_blocks(
+    step: *const kvo_step,
+    index: usize,
+    out_src: *mut u32,
+    src_cap: usize,
+    out_dst: *mut u32,
+    dst_cap: usize,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { handle(step, STEP) }?;
+        h.with_step(|s| {
+            let j = s.jobs().get(index).ok_or_else(|| {
+                Failure::invalid(format!(
+                    "index: {index}, the step has {} jobs",
+                    s.jobs().len()
+                ))
+            })?;
+            let (src, dst) = (s.src(j), s.dst(j));
+            for (name, cap, need) in [
+                ("src_cap", src_cap, src.len()),
+                ("dst_cap", dst_cap, dst.len()),
+            ] {
+                if cap < need {
+                    return Err(Failure::new(
+                        kvo_status::BufferTooSmall,
+                        format!("{name}: {cap}, {need} needed"),
+                    ));
+                }
+            }
+            // SAFETY: forwarded from the caller.
+            unsafe { slice_mut(out_src, src.len(), "out_src") }?.copy_from_slice(src);
+            // SAFETY: forwarded from the caller.
+            unsafe { slice_mut(out_dst, dst.len(), "out_dst") }?.copy_from_slice(dst);
+            Ok(())
+        })?
+    })
+}
+
+/// Copies the flush set (job ids to wait for before the forward pass, ascending) to `out_ids`
+/// and its size to `*out_n`.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_BUFFER_TOO_SMALL` if `cap` is
+/// too small (the size is written to `*out_n`).
+///
+/// # Safety
+/// `step` is NULL or live; `out_ids` NULL or `cap` writable entries; `out_n` NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_step_get_flush(
+    step: *const kvo_step,
+    out_ids: *mut u64,
+    cap: usize,
+    out_n: *mut usize,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { handle(step, STEP) }?;
+        non_null(out_n, "out_n")?;
+        h.with_step(|s| {
+            let ids = s.flush();
+            write(out_n, ids.len());
+            if cap < ids.len() {
+                return Err(Failure::new(
+                    kvo_status::BufferTooSmall,
+                    format!("cap: {cap}, {} needed", ids.len()),
+                ));
+            }
+            // SAFETY: forwarded from the caller.
+            unsafe { slice_mut(out_ids, ids.len(), "out_ids") }?.copy_from_slice(ids);
+            Ok(())
+        })?
+    })
+}
+
+/// Encodes the plan for another process (versioned, checksummed) into `buf` and writes its
+/// length to `*out_len`.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_BUFFER_TOO_SMALL` if `cap`
+/// is too small (the needed length is written to `*out_len`; pass `cap` 0 to ask).
+///
+/// # Safety
+/// `step` is NULL or live; `buf` NULL or `cap` writable bytes; `out_len` NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_step_encode(
+    step: *const kvo_step,
+    buf: *mut u8,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { handle(step, STEP) }?;
+        non_null(out_len, "out_len")?;
+        let mut st = h.get()?;
+        let StepState { step, encoded } = &mut *st;
+        step.encode(encoded);
+        write(out_len, encoded.len());
+        if cap < encoded.len() {
+            return Err(Failure::new(
+                kvo_status::BufferTooSmall,
+                format!("cap: {cap}, {} needed", encoded.len()),
+            ));
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { slice_mut(buf, encoded.len(), "buf") }?.copy_from_slice(encoded);
+        Ok(())
+    })
+}
+
+/// Replaces the plan with one decoded from `len` bytes made by `kvo_step_encode`.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_CORRUPT_DATA` for truncated
+/// or corrupt bytes or another format version (the plan is then unchanged).
+///
+/// # Safety
+/// `step` is NULL or live; `bytes` NULL or `len` readable bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_step_decode(
+    step: *mut kvo_step,
+    bytes: *const u8,
+    len: usize,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { handle(step, STEP) }?;
+        // SAFETY: forwarded from the caller.
+        let bytes = unsafe { slice(bytes, len, "bytes") }?;
+        Ok(h.with_step(|s| s.decode(bytes))??)
+    })
+}
