@@ -1,1 +1,121 @@
-fn main() {}
+//! Manager benchmarks: prefix lookup and store throughput on a 1M-slot tier (8- and 32-byte
+//! keys), and the conversation-trace replay (5,859 slots, LRU and ARC) through the Rust API and
+//! the C ABI. Run: `cargo bench --bench manager`.
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use kvoffload::manager::{Manager, ManagerConfig, Policy, StorePlan};
+use kvoffload::replay::{FfiTier, RustTier, load_trace, replay, trace_keys};
+use std::hint::black_box;
+use std::path::Path;
+
+const SLOTS: usize = 1 << 20;
+
+fn key(i: u64, kl: usize) -> Vec<u8> {
+    let mut k = vec![0u8; kl];
+    // Spread the bits like a real hash would.
+    let h = i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    for (j, b) in k.iter_mut().enumerate() {
+        *b = (h.rotate_left(j as u32 * 8) as u8) ^ (i >> (j % 8 * 8)) as u8;
+    }
+    k[..8].copy_from_slice(&i.to_le_bytes());
+    k
+}
+
+fn keys(from: u64, to: u64, kl: usize) -> Vec<u8> {
+    (from..to).flat_map(|i| key(i, kl)).collect()
+}
+
+/// A tier of SLOTS slots, all holding ready keys 0..SLOTS.
+fn full_manager(kl: usize, policy: Policy) -> Manager {
+    let mut m = Manager::new(ManagerConfig {
+        key_len: kl,
+        num_slots: SLOTS,
+        policy,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut plan = StorePlan::default();
+    for from in (0..SLOTS as u64).step_by(4096) {
+        let ks = keys(from, from + 4096, kl);
+        m.prepare_store(&ks, &mut plan).unwrap();
+        m.complete_store(&ks, true).unwrap();
+    }
+    m
+}
+
+fn tier_ops(c: &mut Criterion) {
+    for kl in [8usize, 32] {
+        let mut m = full_manager(kl, Policy::Lru);
+        let mut g = c.benchmark_group(format!("manager_1M_slots/{kl}B_keys"));
+        const N: u64 = 256;
+        g.throughput(Throughput::Elements(N));
+        let mut at = 0u64;
+        g.bench_function("lookup_prefix_256_hits", |b| {
+            let windows: Vec<Vec<u8>> = (0..64)
+                .map(|w| keys(w * 16_000, w * 16_000 + N, kl))
+                .collect();
+            b.iter(|| {
+                at = (at + 1) % 64;
+                black_box(m.lookup_prefix(&windows[at as usize]).unwrap())
+            })
+        });
+        let mut plan = StorePlan::default();
+        let mut next = SLOTS as u64;
+        g.bench_function("prepare_complete_store_256_evicting", |b| {
+            b.iter(|| {
+                let ks = keys(next, next + N, kl);
+                next += N;
+                m.prepare_store(&ks, &mut plan).unwrap();
+                m.complete_store(&ks, true).unwrap();
+                black_box(plan.slots.len())
+            })
+        });
+        g.finish();
+    }
+}
+
+fn trace_replay(c: &mut Criterion) {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/conversation_trace.jsonl");
+    let Ok(trace) = load_trace(&path) else {
+        eprintln!("skipping trace replay: {} not found", path.display());
+        return;
+    };
+    let requests = trace_keys(&trace, 8);
+    let blocks: u64 = trace.iter().map(|r| r.hash_ids.len() as u64).sum();
+    let mut g = c.benchmark_group("replay_conversation_5859_slots");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(blocks));
+    for policy in [Policy::Lru, Policy::Arc] {
+        let cfg = ManagerConfig {
+            key_len: 8,
+            num_slots: 5859,
+            policy,
+            ..Default::default()
+        };
+        g.bench_with_input(
+            BenchmarkId::new("rust", format!("{policy:?}")),
+            &cfg,
+            |b, cfg| {
+                b.iter(|| {
+                    let mut t = RustTier::new(cfg.clone()).unwrap();
+                    black_box(replay(&mut t, &requests, 8))
+                })
+            },
+        );
+        g.bench_with_input(
+            BenchmarkId::new("c_abi", format!("{policy:?}")),
+            &cfg,
+            |b, cfg| {
+                b.iter(|| {
+                    let mut t = FfiTier::new(cfg);
+                    black_box(replay(&mut t, &requests, 8))
+                })
+            },
+        );
+    }
+    g.finish();
+}
+
+criterion_group!(benches, tier_ops, trace_replay);
+criterion_main!(benches);

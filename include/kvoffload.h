@@ -44,9 +44,9 @@
 #define KVO_NO_LIMIT UINT64_MAX
 
 /**
- * Version of the step encoding; bumped on any change of the format.
+ * Version of the encoding written by `kvo_step_encode`; `kvo_step_decode` rejects others.
  */
-#define FORMAT_VERSION 1
+#define KVO_STEP_FORMAT_VERSION 1
 
 /**
  * The result of every fallible C function. `KVO_STATUS_OK` is 0; details of any other value

@@ -28,6 +28,9 @@ pub enum Error {
     /// Serialized bytes that are truncated, corrupt or of another version.
     #[error("{0}")]
     CorruptData(String),
+    /// Memory could not be allocated.
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
     /// An invariant was found broken (a bug).
     #[error("internal error: {0}")]
     Internal(String),

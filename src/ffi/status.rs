@@ -44,6 +44,7 @@ impl From<&Error> for kvo_status {
             Error::NoRoom(_) => Self::NoRoom,
             Error::BufferTooSmall { .. } => Self::BufferTooSmall,
             Error::CorruptData(_) => Self::CorruptData,
+            Error::OutOfMemory(_) => Self::IoError,
             Error::Internal(_) => Self::Internal,
         }
     }

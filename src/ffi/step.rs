@@ -4,6 +4,10 @@ use super::{Failure, guard, handle, kvo_status, lock, non_null, slice, slice_mut
 use crate::scheduler::{JobKind, Step};
 use std::sync::{Mutex, MutexGuard};
 
+/// Version of the encoding written by `kvo_step_encode`; `kvo_step_decode` rejects others.
+pub const KVO_STEP_FORMAT_VERSION: u16 = 1;
+const _: () = assert!(KVO_STEP_FORMAT_VERSION == crate::scheduler::FORMAT_VERSION);
+
 /// Directions of a job (`kvo_job_info.kind`).
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -101,23 +101,23 @@ pub(crate) struct ArcSnapshot {
 
 impl Arc {
     /// `keys` is the manager's key table, whose hasher the ghost table shares.
-    pub fn new(num_slots: usize, keys: &KeyTable) -> Self {
-        Self {
+    pub fn new(num_slots: usize, keys: &KeyTable) -> crate::Result<Self> {
+        Ok(Self {
             capacity: num_slots,
             target: 0.0,
-            links: Links::with_len(num_slots),
-            tag: vec![NONE; num_slots],
+            links: Links::with_len(num_slots)?,
+            tag: super::filled(num_slots, NONE, "ARC tags")?,
             t1: List::default(),
             t2: List::default(),
             ghosts: Ghosts {
-                keys: keys.sibling(0),
+                keys: keys.sibling(0).expect("an empty table allocates nothing"),
                 links: Links::default(),
                 tag: Vec::new(),
                 b1: List::default(),
                 b2: List::default(),
                 free: Vec::new(),
             },
-        }
+        })
     }
 
     /// A new (in-flight) slot goes to the T1 MRU end; its key leaves the ghost lists.
@@ -221,7 +221,7 @@ impl Arc {
             self.remove(s);
             let key = keys.key(s);
             self.ghosts
-                .push(if tag == T1 { B1 } else { B2 }, keys.hash(key), key);
+                .push(if tag == T1 { B1 } else { B2 }, keys.stored_hash(s), key);
         }
         self.ghosts.trim(B1, self.capacity);
         self.ghosts.trim(B2, self.capacity);

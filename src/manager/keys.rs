@@ -1,6 +1,8 @@
 //! Fixed-width byte keys mapped to dense `u32` ids, with the key bytes stored in one arena
-//! indexed by id. No allocation per key once the arena has grown to its working size.
+//! indexed by id and each key's hash kept beside it (removal and growth never rehash). No
+//! allocation per key once the arena has grown to its working size.
 
+use crate::error::{Error, Result};
 use hashbrown::{DefaultHashBuilder, HashTable};
 use std::hash::BuildHasher;
 
@@ -9,28 +11,67 @@ use std::hash::BuildHasher;
 pub(crate) struct KeyTable {
     key_len: usize,
     arena: Vec<u8>,
+    hashes: Vec<u64>,
     table: HashTable<u32>,
     hasher: DefaultHashBuilder,
 }
 
+/// Key equality with fixed-size loads for the common widths (no `memcmp` call).
+#[inline(always)]
+pub(crate) fn key_eq(a: &[u8], b: &[u8]) -> bool {
+    #[inline(always)]
+    fn words<const N: usize>(a: &[u8], b: &[u8]) -> bool {
+        let (a, b): (&[u8; N], &[u8; N]) = (a.try_into().unwrap(), b.try_into().unwrap());
+        a == b
+    }
+    match a.len() {
+        8 if b.len() == 8 => words::<8>(a, b),
+        16 if b.len() == 16 => words::<16>(a, b),
+        32 if b.len() == 32 => words::<32>(a, b),
+        _ => a == b,
+    }
+}
+
 impl KeyTable {
-    /// A table whose ids start below `capacity` (the arena grows beyond it on demand).
-    pub fn new(key_len: usize, capacity: usize) -> Self {
+    /// A table for ids below `capacity` (the arena grows beyond it on demand). Fails with
+    /// [`Error::OutOfMemory`] when the memory cannot be reserved.
+    pub fn new(key_len: usize, capacity: usize) -> Result<Self> {
         Self::with_hasher(key_len, capacity, DefaultHashBuilder::default())
     }
 
     /// A table hashing like `self`, so one hash serves both.
-    pub fn sibling(&self, capacity: usize) -> Self {
+    pub fn sibling(&self, capacity: usize) -> Result<Self> {
         Self::with_hasher(self.key_len, capacity, self.hasher.clone())
     }
 
-    fn with_hasher(key_len: usize, capacity: usize, hasher: DefaultHashBuilder) -> Self {
-        Self {
+    fn with_hasher(key_len: usize, capacity: usize, hasher: DefaultHashBuilder) -> Result<Self> {
+        let oom = |what: &str| {
+            Error::OutOfMemory(format!("{what} for {capacity} keys of {key_len} bytes"))
+        };
+        let mut arena = Vec::new();
+        let bytes = key_len
+            .checked_mul(capacity)
+            .ok_or_else(|| oom("key arena"))?;
+        arena
+            .try_reserve_exact(bytes)
+            .map_err(|_| oom("key arena"))?;
+        arena.resize(bytes, 0);
+        let mut hashes = Vec::new();
+        hashes
+            .try_reserve_exact(capacity)
+            .map_err(|_| oom("key hashes"))?;
+        hashes.resize(capacity, 0);
+        let mut table = HashTable::new();
+        table
+            .try_reserve(capacity, |_: &u32| 0)
+            .map_err(|_| oom("key table"))?;
+        Ok(Self {
             key_len,
-            arena: vec![0; key_len * capacity],
-            table: HashTable::with_capacity(capacity),
+            arena,
+            hashes,
+            table,
             hasher,
-        }
+        })
     }
 
     #[inline]
@@ -45,6 +86,12 @@ impl KeyTable {
         &self.arena[at..at + self.key_len]
     }
 
+    /// The hash of the key stored under `id`.
+    #[inline]
+    pub fn stored_hash(&self, id: u32) -> u64 {
+        self.hashes[id as usize]
+    }
+
     #[inline]
     pub fn find(&self, key: &[u8]) -> Option<u32> {
         self.find_hashed(self.hash(key), key)
@@ -55,7 +102,7 @@ impl KeyTable {
         let (arena, kl) = (&self.arena, self.key_len);
         self.table
             .find(hash, |&id| {
-                &arena[id as usize * kl..id as usize * kl + kl] == key
+                key_eq(&arena[id as usize * kl..id as usize * kl + kl], key)
             })
             .copied()
     }
@@ -66,18 +113,20 @@ impl KeyTable {
         if self.arena.len() < at + self.key_len {
             self.arena
                 .resize((at + self.key_len).max(self.arena.len() * 2), 0);
+            self.hashes.resize(self.arena.len() / self.key_len, 0);
         }
         self.arena[at..at + self.key_len].copy_from_slice(key);
-        let (arena, kl, hasher) = (&self.arena, self.key_len, &self.hasher);
-        self.table.insert_unique(hash, id, |&i| {
-            hasher.hash_one(&arena[i as usize * kl..i as usize * kl + kl])
-        });
+        self.hashes[id as usize] = hash;
+        let hashes = &self.hashes;
+        self.table.insert_unique(hash, id, |&i| hashes[i as usize]);
     }
 
     /// Removes the entry of `id`; returns whether it was present.
     pub fn remove_id(&mut self, id: u32) -> bool {
-        let hash = self.hash(self.key(id));
-        match self.table.find_entry(hash, |&i| i == id) {
+        match self
+            .table
+            .find_entry(self.hashes[id as usize], |&i| i == id)
+        {
             Ok(e) => {
                 e.remove();
                 true

@@ -29,11 +29,11 @@ pub(crate) struct Links {
 }
 
 impl Links {
-    pub fn with_len(n: usize) -> Self {
-        Self {
-            prev: vec![NIL; n],
-            next: vec![NIL; n],
-        }
+    pub fn with_len(n: usize) -> crate::Result<Self> {
+        Ok(Self {
+            prev: super::filled(n, NIL, "list links")?,
+            next: super::filled(n, NIL, "list links")?,
+        })
     }
 
     /// Makes room for ids `< n`.
@@ -109,7 +109,7 @@ mod tests {
 
     #[test]
     fn push_unlink_move() {
-        let mut links = Links::with_len(5);
+        let mut links = Links::with_len(5).unwrap();
         let mut l = List::default();
         for i in 0..5 {
             links.push_back(&mut l, i);

@@ -11,12 +11,12 @@ pub(crate) struct Lru {
 }
 
 impl Lru {
-    pub fn new(num_slots: usize) -> Self {
-        Self {
-            links: Links::with_len(num_slots),
-            in_list: vec![false; num_slots],
+    pub fn new(num_slots: usize) -> crate::Result<Self> {
+        Ok(Self {
+            links: Links::with_len(num_slots)?,
+            in_list: super::filled(num_slots, false, "LRU flags")?,
             list: List::default(),
-        }
+        })
     }
 
     /// A "use": appends `slot` at the MRU end unless it is already listed (then it keeps its place).

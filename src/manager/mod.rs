@@ -16,7 +16,6 @@ mod tracker;
 pub use events::{Event, EventLog};
 
 use crate::error::{Error, Result, invalid};
-use hashbrown::HashTable;
 use keys::KeyTable;
 use pool::SlotPool;
 use tracker::Tracker;
@@ -152,7 +151,8 @@ pub struct Manager {
     scratch_hash: Vec<u64>,
     scratch_slot: Vec<u32>,
     scratch_victims: Vec<u32>,
-    scratch_seen: HashTable<u32>,
+    scratch_new: Vec<u32>,
+    scratch_pairs: Vec<u64>,
     stamp: Vec<u32>,
     epoch: u32,
 }
@@ -180,10 +180,10 @@ impl Manager {
             ));
         }
         let n = cfg.num_slots;
-        let keys = KeyTable::new(cfg.key_len, n);
+        let keys = KeyTable::new(cfg.key_len, n)?;
         let policy = match cfg.policy {
-            Policy::Lru => PolicyImpl::Lru(lru::Lru::new(n)),
-            Policy::Arc => PolicyImpl::Arc(Box::new(arc::Arc::new(n, &keys))),
+            Policy::Lru => PolicyImpl::Lru(lru::Lru::new(n)?),
+            Policy::Arc => PolicyImpl::Arc(Box::new(arc::Arc::new(n, &keys)?)),
         };
         let tracker = (cfg.store_threshold >= 2)
             .then(|| Tracker::new(cfg.store_threshold, cfg.max_tracker_size, &keys));
@@ -194,15 +194,16 @@ impl Manager {
                 ..Default::default()
             },
             keys,
-            ref_cnt: vec![0; n],
+            ref_cnt: filled(n, 0, "reference counts")?,
             pool: SlotPool::new(n as u32),
             policy,
             tracker,
             scratch_hash: Vec::new(),
             scratch_slot: Vec::new(),
             scratch_victims: Vec::new(),
-            scratch_seen: HashTable::new(),
-            stamp: vec![0; n],
+            scratch_new: Vec::new(),
+            scratch_pairs: Vec::new(),
+            stamp: filled(n, 0, "protection stamps")?,
             epoch: 0,
             cfg,
         })
@@ -441,36 +442,22 @@ impl Manager {
         self.resolve(keys);
         // Filter (threshold), protect the present ones, collect the absent ones (deduplicated).
         self.next_epoch();
-        self.scratch_seen.clear();
-        let mut to_store = 0;
+        self.scratch_new.clear();
         let mut skipped = 0;
         for (i, key) in keys.chunks_exact(kl).enumerate() {
-            let h = self.scratch_hash[i];
             if let Some(t) = &self.tracker
-                && !t.passes(h, key)
+                && !t.passes(self.scratch_hash[i], key)
             {
                 skipped += 1;
                 continue;
             }
-            let s = self.scratch_slot[i];
-            if s != ABSENT {
-                self.stamp[s as usize] = self.epoch;
-                continue;
+            match self.scratch_slot[i] {
+                ABSENT => self.scratch_new.push(i as u32),
+                s => self.stamp[s as usize] = self.epoch,
             }
-            if n > 1 {
-                let dup = self
-                    .scratch_seen
-                    .find(h, |&j| key_at(keys, kl, j) == key)
-                    .is_some();
-                if dup {
-                    continue;
-                }
-                self.scratch_seen
-                    .insert_unique(h, i as u32, |&j| self.keys.hash(key_at(keys, kl, j)));
-            }
-            out_indices[to_store] = i as u32;
-            to_store += 1;
         }
+        self.dedupe_new(keys);
+        let to_store = self.scratch_new.len();
         if to_store == 0 {
             self.stats.stores_skipped += skipped;
             return Ok(StoreCounts::default());
@@ -497,6 +484,7 @@ impl Manager {
             self.evict_victims(&mut out_evicted[..need * kl]);
         }
         self.stats.stores_skipped += skipped;
+        out_indices[..to_store].copy_from_slice(&self.scratch_new);
         for j in 0..to_store {
             let i = out_indices[j] as usize;
             let slot = self.pool.alloc();
@@ -513,6 +501,38 @@ impl Manager {
             stored: to_store,
             evicted: need,
         })
+    }
+
+    /// Drops repeated keys from `scratch_new` (keeping the first): sorts the hashes, and only
+    /// when two are equal compares keys.
+    fn dedupe_new(&mut self, keys: &[u8]) {
+        if self.scratch_new.len() < 2 {
+            return;
+        }
+        self.scratch_pairs.clear();
+        self.scratch_pairs.extend(
+            self.scratch_new
+                .iter()
+                .map(|&i| self.scratch_hash[i as usize]),
+        );
+        self.scratch_pairs.sort_unstable();
+        if self.scratch_pairs.windows(2).all(|w| w[0] != w[1]) {
+            return;
+        }
+        let kl = self.cfg.key_len;
+        let mut kept = 0;
+        for j in 0..self.scratch_new.len() {
+            let i = self.scratch_new[j];
+            let key = key_at(keys, kl, i);
+            if !self.scratch_new[..kept]
+                .iter()
+                .any(|&k| key_at(keys, kl, k) == key)
+            {
+                self.scratch_new[kept] = i;
+                kept += 1;
+            }
+        }
+        self.scratch_new.truncate(kept);
     }
 
     /// Evicts `scratch_victims`: copies their keys out, frees their slots, records the event.
@@ -715,6 +735,15 @@ impl Manager {
     fn occupied_slots(&self) -> impl Iterator<Item = u32> + '_ {
         (0..self.cfg.num_slots as u32).filter(|&s| self.keys.find(self.keys.key(s)) == Some(s))
     }
+}
+
+/// `n` copies of `value`, or [`Error::OutOfMemory`] (large tiers must not abort the host).
+pub(crate) fn filled<T: Clone>(n: usize, value: T, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| Error::OutOfMemory(format!("{what} of {n} slots")))?;
+    v.resize(n, value);
+    Ok(v)
 }
 
 #[inline]

@@ -582,3 +582,34 @@ fn discard_drops_only_ready_unpinned_keys() {
         );
     }
 }
+
+#[test]
+fn huge_tier_fails_cleanly_instead_of_aborting() {
+    // With heuristic overcommit (Linux default) an allocation beyond RAM + swap is refused.
+    let heuristic =
+        std::fs::read_to_string("/proc/sys/vm/overcommit_memory").is_ok_and(|s| s.trim() == "0");
+    if !heuristic {
+        eprintln!("skipped: needs vm.overcommit_memory = 0");
+        return;
+    }
+    let cfg = ManagerConfig {
+        key_len: 64,
+        num_slots: u32::MAX as usize - 1,
+        ..Default::default()
+    };
+    assert!(
+        matches!(Manager::new(cfg), Err(Error::OutOfMemory(m)) if m.contains("slots") || m.contains("keys"))
+    );
+}
+
+#[test]
+fn no_room_writes_no_output() {
+    let mut m = mgr(1, Policy::Lru);
+    store(&mut m, &[1]).unwrap();
+    let (mut idx, mut slots, mut ev) = ([7u32; 2], [7u32; 2], [7u8; 16]);
+    assert!(matches!(
+        m.prepare_store_into(&keys(&[2, 3]), &mut idx, &mut slots, &mut ev),
+        Err(Error::NoRoom(_))
+    ));
+    assert_eq!((idx, slots, ev), ([7; 2], [7; 2], [7; 16]));
+}

@@ -21,9 +21,9 @@ impl Tracker {
         Self {
             threshold,
             max_size,
-            keys: keys.sibling(initial),
+            keys: keys.sibling(initial).expect("at most 64k keys"),
             counts: Vec::with_capacity(initial),
-            links: Links::with_len(initial),
+            links: Links::with_len(initial).expect("at most 64k links"),
             list: List::default(),
         }
     }

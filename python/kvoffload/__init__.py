@@ -1,0 +1,305 @@
+"""Python bindings of kvoffload (ctypes, no third-party dependency).
+
+    import kvoffload
+
+    k1, k2 = (1).to_bytes(8, "big"), (2).to_bytes(8, "big")
+    with kvoffload.Manager(num_slots=4, key_len=8) as m:
+        plan = m.prepare_store([k1, k2])  # reserve host slots; the stores are in flight
+        m.complete_store([k1, k2])        # the copies finished: k1 and k2 are ready
+        assert m.lookup(k1) == kvoffload.Lookup.HIT
+
+The shared library is found through ``KVOFFLOAD_LIB``, then ``<repo>/target/{release,debug}``
+(and their ``deps/``), then next to this package. Importing fails with ``ImportError`` when the
+library's ABI version is not :data:`ABI_VERSION`.
+
+Every failed library call raises a :class:`KvoError` subclass carrying ``status`` and the
+library's message. Keys are ``bytes`` of exactly ``key_len`` bytes.
+"""
+
+import ctypes
+import dataclasses
+import weakref
+from typing import List, NamedTuple, Tuple
+
+from . import _ffi
+from ._ffi import *  # noqa: F401,F403  (constants, enums, errors)
+from ._ffi import (
+    ABI_VERSION,
+    BufferTooSmallError,
+    KvoError,
+    Lookup,
+    NoRoomError,
+    Policy,
+    lib,
+    lib_path,
+    version,
+)
+
+__all__ = list(_ffi.__all__) + ["version", "Manager", "StorePlan", "Event", "ManagerStats"]
+__version__ = version()
+
+_MAX_U32 = 2**32 - 1
+_MAX_U64 = 2**64 - 1
+
+
+class StorePlan(NamedTuple):
+    """The answer of :meth:`Manager.prepare_store`.
+
+    ``indices``: positions in the keys passed whose stores are now in flight (input order);
+    ``slots``: the host slot of each of them; ``evicted``: the keys evicted to make room, in
+    eviction order.
+    """
+
+    indices: List[int]
+    slots: List[int]
+    evicted: List[bytes]
+
+
+class Event(NamedTuple):
+    """One event of :meth:`Manager.take_events`: ``removed`` True for evicted keys, False for
+    keys that became ready (stored)."""
+
+    removed: bool
+    keys: List[bytes]
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerStats:
+    """Counters and gauges of a manager (``kvo_manager_stats``)."""
+
+    capacity: int
+    used: int
+    ready: int
+    evictable: int
+    pinned: int
+    stores_in_flight: int
+    lookups: int
+    hits: int
+    stores_skipped: int
+    evictions: int
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+_STATS_FIELDS = [f.name for f in dataclasses.fields(ManagerStats)]
+
+_POLICIES = {"lru": Policy.LRU, "arc": Policy.ARC}
+
+
+def _uint(name, value, maximum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if not 0 <= value <= maximum:
+        raise ValueError(f"{name}: {value} is not in 0..={maximum}")
+    return value
+
+
+class Manager:
+    """An offload tier index: keys, host slots, eviction (``kvo_manager``).
+
+    Calls on one manager are serialized by the library, so a manager may be shared between
+    threads; :meth:`close` must not race with other calls on it.
+    """
+
+    def __init__(
+        self,
+        num_slots,
+        key_len=32,
+        policy="lru",
+        store_threshold=0,
+        max_tracker_size=64000,
+        enable_events=False,
+    ):
+        self._ptr = None
+        self._finalizer = None
+        if isinstance(policy, str):
+            try:
+                policy = _POLICIES[policy.lower()]
+            except KeyError:
+                raise ValueError(
+                    f"policy: {policy!r} is not one of {sorted(_POLICIES)}"
+                ) from None
+        cfg = _ffi.kvo_manager_config()
+        lib.kvo_manager_config_default(ctypes.byref(cfg))
+        cfg.num_slots = _uint("num_slots", num_slots, _MAX_U64)
+        cfg.key_len = _uint("key_len", key_len, _MAX_U32)
+        # Other ints (unknown policy numbers) go through: the library validates them.
+        cfg.policy = _uint("policy", int(policy), _MAX_U32)
+        cfg.store_threshold = _uint("store_threshold", store_threshold, _MAX_U32)
+        cfg.max_tracker_size = _uint("max_tracker_size", max_tracker_size, _MAX_U64)
+        cfg.enable_events = 1 if enable_events else 0
+        ptr = ctypes.POINTER(_ffi._Manager)()
+        lib.kvo_manager_new(ctypes.byref(cfg), ctypes.byref(ptr))
+        self._ptr = ptr
+        self._finalizer = weakref.finalize(self, lib.kvo_manager_free, ptr)
+        self.key_len = key_len
+        self.num_slots = num_slots
+        self.policy = Policy(policy)
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def close(self):
+        """Frees the manager. Safe to call more than once."""
+        self._ptr = None
+        if self._finalizer is not None:
+            self._finalizer()
+
+    @property
+    def closed(self):
+        return self._ptr is None
+
+    def __enter__(self):
+        self._handle()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{self.num_slots} slots"
+        return f"<kvoffload.Manager {self.policy.name} key_len={self.key_len} {state}>"
+
+    def _handle(self):
+        ptr = self._ptr
+        if ptr is None:
+            raise ValueError("kvoffload: operation on a closed Manager")
+        return ptr
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def _check_key(self, i, key):
+        if not isinstance(key, bytes):
+            raise ValueError(f"keys[{i}]: expected bytes, got {type(key).__name__}")
+        if len(key) != self.key_len:
+            raise ValueError(f"keys[{i}]: {len(key)} bytes, key_len is {self.key_len}")
+
+    def _join(self, keys):
+        if isinstance(keys, (bytes, bytearray, memoryview, str)):
+            raise ValueError("keys: expected a sequence of bytes keys, not one bytes object")
+        keys = list(keys)
+        for i, k in enumerate(keys):
+            self._check_key(i, k)
+        return b"".join(keys), len(keys)
+
+    def _split(self, buf, n):
+        kl = self.key_len
+        return [bytes(buf[i * kl : (i + 1) * kl]) for i in range(n)]
+
+    # -- operations -----------------------------------------------------------------------------
+
+    def lookup(self, key):
+        """Looks one key up: :class:`Lookup` ``HIT``, ``MISS`` or ``RETRY`` (store in flight).
+        Counts the lookup for the store threshold; does not change recency."""
+        h = self._handle()
+        self._check_key(0, key)
+        out = ctypes.c_uint32()
+        lib.kvo_manager_lookup(h, key, ctypes.byref(out))
+        return Lookup(out.value)
+
+    def lookup_prefix(self, keys) -> Tuple[int, bool]:
+        """Number of leading stored keys, and whether the answer must be retried later
+        (a key of that prefix has its store in flight)."""
+        h = self._handle()
+        buf, n = self._join(keys)
+        hits = ctypes.c_size_t()
+        retry = ctypes.c_uint32()
+        lib.kvo_manager_lookup_prefix(h, buf, n, ctypes.byref(hits), ctypes.byref(retry))
+        return hits.value, bool(retry.value)
+
+    def prepare_load(self, keys) -> List[int]:
+        """Pins ``keys`` for a load; returns their slots in input order."""
+        h = self._handle()
+        buf, n = self._join(keys)
+        slots = (ctypes.c_uint32 * n)()
+        lib.kvo_manager_prepare_load(h, buf, n, slots, n)
+        return list(slots)
+
+    def touch(self, keys):
+        """Marks ``keys`` as used (LRU: the first key ends most recent). Unknown keys are
+        ignored."""
+        h = self._handle()
+        buf, n = self._join(keys)
+        lib.kvo_manager_touch(h, buf, n)
+
+    def complete_load(self, keys):
+        """Releases one load pin of each key."""
+        h = self._handle()
+        buf, n = self._join(keys)
+        lib.kvo_manager_complete_load(h, buf, n)
+
+    def prepare_store(self, keys) -> StorePlan:
+        """Reserves host slots for the keys not stored yet, evicting if needed.
+
+        Raises :class:`NoRoomError` when not enough can be evicted now (retry later).
+        """
+        h = self._handle()
+        buf, n = self._join(keys)
+        indices = (ctypes.c_uint32 * n)()
+        slots = (ctypes.c_uint32 * n)()
+        evicted = (ctypes.c_uint8 * (n * self.key_len))()
+        n_store = ctypes.c_size_t()
+        n_evicted = ctypes.c_size_t()
+        lib.kvo_manager_prepare_store(
+            h, buf, n, indices, slots, evicted, n, ctypes.byref(n_store), ctypes.byref(n_evicted)
+        )
+        k = n_store.value
+        return StorePlan(
+            list(indices[:k]), list(slots[:k]), self._split(bytes(evicted), n_evicted.value)
+        )
+
+    def complete_store(self, keys, success=True):
+        """Ends the stores of ``keys``: success makes them ready, failure drops them."""
+        h = self._handle()
+        buf, n = self._join(keys)
+        lib.kvo_manager_complete_store(h, buf, n, 1 if success else 0)
+
+    def take_events(self) -> List[Event]:
+        """Takes the buffered events, oldest first (empty unless ``enable_events``)."""
+        h = self._handle()
+        n_events = ctypes.c_size_t()
+        n_keys = ctypes.c_size_t()
+        events_cap, keys_cap = 16, 64
+        while True:
+            events = (_ffi.kvo_event * events_cap)()
+            keys = (ctypes.c_uint8 * (keys_cap * self.key_len))()
+            try:
+                lib.kvo_manager_take_events(
+                    h,
+                    events,
+                    events_cap,
+                    keys,
+                    keys_cap,
+                    ctypes.byref(n_events),
+                    ctypes.byref(n_keys),
+                )
+            except BufferTooSmallError:
+                # The needed counts were written; more may arrive from other threads meanwhile.
+                events_cap = max(events_cap, n_events.value)
+                keys_cap = max(keys_cap, n_keys.value)
+                continue
+            break
+        raw = bytes(keys)
+        kl = self.key_len
+        out = []
+        for e in events[: n_events.value]:
+            first, count = e.first_key, e.n_keys
+            out.append(Event(bool(e.removed), self._split(raw[first * kl :], count)))
+        return out
+
+    def stats(self) -> ManagerStats:
+        """Counters and gauges (``kvo_manager_get_stats``)."""
+        h = self._handle()
+        s = _ffi.kvo_manager_stats()
+        s.struct_size = ctypes.sizeof(s)
+        lib.kvo_manager_get_stats(h, ctypes.byref(s))
+        return ManagerStats(**{f: getattr(s, f) for f in _STATS_FIELDS})
+
+    def reset(self):
+        """Drops every key and frees every slot, without events. Cumulative counters are kept."""
+        lib.kvo_manager_reset(self._handle())
+
+    def check_invariants(self):
+        """Recounts the tier's state; raises :class:`InternalError` naming a broken invariant."""
+        lib.kvo_manager_check_invariants(self._handle())

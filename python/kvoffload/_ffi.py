@@ -1,0 +1,597 @@
+"""Low-level ctypes bindings of ``include/kvoffload.h`` (stdlib only).
+
+Loads ``libkvoffload.so``, checks the ABI version, and declares ``argtypes`` and
+``restype`` of every exported function. Every ``kvo_status``-returning function gets an
+``errcheck`` that raises :class:`KvoError` (or the subclass for its status) with the
+library's thread-local last-error message, read right away on the calling thread.
+
+Everything here mirrors the header one to one; ``python/tests/test_header_drift.py``
+checks that it stays so. The friendly API lives in ``kvoffload/__init__.py``.
+"""
+
+import ctypes
+import enum
+import os
+import sys
+from ctypes import POINTER, c_char, c_char_p, c_int32, c_size_t, c_uint8, c_uint32, c_uint64
+
+__all__ = [
+    "ABI_VERSION",
+    "KVO_ABI_VERSION",
+    "KVO_MAX_KEY_LEN",
+    "Status",
+    "Policy",
+    "Lookup",
+    "Match",
+    "DeferReason",
+    "JobKind",
+    "KVO_NO_LIMIT",
+    "KVO_STEP_FORMAT_VERSION",
+    "KvoError",
+    "NullArgumentError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "InvalidStateError",
+    "NoRoomError",
+    "BufferTooSmallError",
+    "CorruptDataError",
+    "CudaUnavailableError",
+    "CudaError",
+    "IoError",
+    "PanicError",
+    "InternalError",
+    "lib",
+    "lib_path",
+    "last_error_message",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Constants (mirroring the header)
+# ---------------------------------------------------------------------------------------------
+
+#: The C ABI version these bindings were written for (``KVO_ABI_VERSION``).
+ABI_VERSION = 1
+KVO_ABI_VERSION = ABI_VERSION
+#: Longest key a manager accepts, in bytes.
+KVO_MAX_KEY_LEN = 64
+
+
+class Status(enum.IntEnum):
+    """``enum kvo_status``."""
+
+    OK = 0
+    NULL_ARGUMENT = 1
+    INVALID_ARGUMENT = 2
+    NOT_FOUND = 3
+    INVALID_STATE = 4
+    NO_ROOM = 5
+    BUFFER_TOO_SMALL = 6
+    CORRUPT_DATA = 7
+    CUDA_UNAVAILABLE = 8
+    CUDA_ERROR = 9
+    IO_ERROR = 10
+    PANIC = 11
+    INTERNAL = 12
+
+
+class Policy(enum.IntEnum):
+    """``enum kvo_policy``."""
+
+    LRU = 0
+    ARC = 1
+
+
+class Lookup(enum.IntEnum):
+    """``enum kvo_lookup``: the answer of ``Manager.lookup``."""
+
+    MISS = 0
+    HIT = 1
+    RETRY = 2
+
+    def __str__(self):
+        return self.name.lower()
+
+
+class Match(enum.IntEnum):
+    """``enum kvo_match``: the kind of a scheduler match."""
+
+    MISS = 0
+    HIT = 1
+    DEFER = 2
+
+
+class DeferReason(enum.IntEnum):
+    """``enum kvo_defer_reason``."""
+
+    NONE = 0
+    JOBS_IN_FLIGHT = 1
+    STORE_IN_FLIGHT = 2
+    BEING_LOADED = 3
+
+
+class JobKind(enum.IntEnum):
+    """``enum kvo_job_kind``."""
+
+    LOAD = 0
+    STORE = 1
+
+
+#: ``KVO_NO_LIMIT``: no cap on a request's offloaded tokens.
+KVO_NO_LIMIT = 2**64 - 1
+#: ``KVO_STEP_FORMAT_VERSION``: version of the encoded step-plan format (as the header spells it).
+KVO_STEP_FORMAT_VERSION = 1
+
+#: (IntEnum, header prefix) pairs; the drift test compares them member for member.
+ENUMS = (
+    (Status, "KVO_STATUS_"),
+    (Policy, "KVO_POLICY_"),
+    (Lookup, "KVO_LOOKUP_"),
+    (Match, "KVO_MATCH_"),
+    (DeferReason, "KVO_DEFER_REASON_"),
+    (JobKind, "KVO_JOB_KIND_"),
+)
+
+# Module-level names exactly as in the header (KVO_STATUS_OK, KVO_POLICY_LRU, KVO_LOOKUP_HIT...).
+_HEADER_CONSTANTS = {}
+for _enum, _prefix in ENUMS:
+    for _member in _enum:
+        _HEADER_CONSTANTS[_prefix + _member.name] = int(_member)
+globals().update(_HEADER_CONSTANTS)
+__all__ += sorted(_HEADER_CONSTANTS)
+del _enum, _prefix, _member
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+class KvoError(Exception):
+    """A ``kvo_*`` call returned a status other than ``KVO_STATUS_OK``.
+
+    ``status`` is the :class:`Status`; ``message`` is the library's last-error message, which
+    names the argument and the value.
+    """
+
+    def __init__(self, status, message=""):
+        try:
+            status = Status(status)
+        except ValueError:
+            status = int(status)
+        self.status = status
+        self.message = message
+        super().__init__(status, message)
+
+    def __str__(self):
+        name = self.status.name if isinstance(self.status, Status) else str(self.status)
+        return f"KVO_STATUS_{name}: {self.message}" if self.message else f"KVO_STATUS_{name}"
+
+
+class NullArgumentError(KvoError):
+    """``KVO_STATUS_NULL_ARGUMENT``: a required pointer was NULL."""
+
+
+class InvalidArgumentError(KvoError):
+    """``KVO_STATUS_INVALID_ARGUMENT``: a value out of range or inconsistent with another."""
+
+
+class NotFoundError(KvoError):
+    """``KVO_STATUS_NOT_FOUND``: an unknown request, job or key."""
+
+
+class InvalidStateError(KvoError):
+    """``KVO_STATUS_INVALID_STATE``: the call is not valid now."""
+
+
+class NoRoomError(KvoError):
+    """``KVO_STATUS_NO_ROOM``: the tier cannot take these blocks now (retry on a later step)."""
+
+
+class BufferTooSmallError(KvoError):
+    """``KVO_STATUS_BUFFER_TOO_SMALL``: an output buffer is too small."""
+
+
+class CorruptDataError(KvoError):
+    """``KVO_STATUS_CORRUPT_DATA``: serialized bytes truncated, corrupt or of another version."""
+
+
+class CudaUnavailableError(KvoError):
+    """``KVO_STATUS_CUDA_UNAVAILABLE``: no CUDA driver or device."""
+
+
+class CudaError(KvoError):
+    """``KVO_STATUS_CUDA_ERROR``: a CUDA call failed."""
+
+
+class IoError(KvoError):
+    """``KVO_STATUS_IO_ERROR``: an operating-system call failed."""
+
+
+class PanicError(KvoError):
+    """``KVO_STATUS_PANIC``: a bug was caught inside the library; the handle may only be freed."""
+
+
+class InternalError(KvoError):
+    """``KVO_STATUS_INTERNAL``: an invariant was found broken."""
+
+
+_ERROR_CLASSES = {
+    Status.NULL_ARGUMENT: NullArgumentError,
+    Status.INVALID_ARGUMENT: InvalidArgumentError,
+    Status.NOT_FOUND: NotFoundError,
+    Status.INVALID_STATE: InvalidStateError,
+    Status.NO_ROOM: NoRoomError,
+    Status.BUFFER_TOO_SMALL: BufferTooSmallError,
+    Status.CORRUPT_DATA: CorruptDataError,
+    Status.CUDA_UNAVAILABLE: CudaUnavailableError,
+    Status.CUDA_ERROR: CudaError,
+    Status.IO_ERROR: IoError,
+    Status.PANIC: PanicError,
+    Status.INTERNAL: InternalError,
+}
+
+
+def error_for(status, message=""):
+    """The :class:`KvoError` subclass instance for ``status``."""
+    return _ERROR_CLASSES.get(status, KvoError)(status, message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Structs and handle types
+# ---------------------------------------------------------------------------------------------
+
+
+class _Manager(ctypes.Structure):
+    """``kvo_manager``: opaque; only ever used through ``POINTER(_Manager)``."""
+
+
+class kvo_manager_config(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("key_len", c_uint32),
+        ("policy", c_uint32),
+        ("num_slots", c_uint64),
+        ("store_threshold", c_uint32),
+        ("enable_events", c_uint32),
+        ("max_tracker_size", c_uint64),
+    ]
+
+
+class kvo_event(ctypes.Structure):
+    _fields_ = [
+        ("first_key", c_uint64),
+        ("n_keys", c_uint64),
+        ("removed", c_uint32),
+        ("reserved", c_uint32),
+    ]
+
+
+class kvo_manager_stats(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("capacity", c_uint64),
+        ("used", c_uint64),
+        ("ready", c_uint64),
+        ("evictable", c_uint64),
+        ("pinned", c_uint64),
+        ("stores_in_flight", c_uint64),
+        ("lookups", c_uint64),
+        ("hits", c_uint64),
+        ("stores_skipped", c_uint64),
+        ("evictions", c_uint64),
+    ]
+
+
+class _Scheduler(ctypes.Structure):
+    """``kvo_scheduler``: opaque; only ever used through ``POINTER(_Scheduler)``."""
+
+
+class _Step(ctypes.Structure):
+    """``kvo_step``: opaque; only ever used through ``POINTER(_Step)``."""
+
+
+class kvo_scheduler_config(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("key_len", c_uint32),
+        ("gpu_block_size", c_uint32),
+        ("block_size_factor", c_uint32),
+        ("policy", c_uint32),
+        ("num_slots", c_uint64),
+        ("num_workers", c_uint32),
+        ("offload_prompt_only", c_uint32),
+        ("store_threshold", c_uint32),
+        ("enable_events", c_uint32),
+        ("max_tracker_size", c_uint64),
+    ]
+
+
+class kvo_match_result(ctypes.Structure):
+    _fields_ = [
+        ("kind", c_uint32),
+        ("defer_reason", c_uint32),
+        ("tokens", c_uint64),
+    ]
+
+
+class kvo_scheduled_request(ctypes.Structure):
+    _fields_ = [
+        ("request_id", c_uint64),
+        ("num_computed_tokens", c_uint64),
+        ("num_scheduled_tokens", c_uint64),
+        ("num_tokens", c_uint64),
+        ("new_block_ids", POINTER(c_uint32)),
+        ("n_new_block_ids", c_size_t),
+        ("resumed", c_uint32),
+        ("reserved", c_uint32),
+    ]
+
+
+class kvo_job_report(ctypes.Structure):
+    _fields_ = [
+        ("job_id", c_uint64),
+        ("count", c_uint32),
+        ("success", c_uint32),
+    ]
+
+
+class kvo_scheduler_stats(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("requests", c_uint64),
+        ("matches", c_uint64),
+        ("deferred_jobs_in_flight", c_uint64),
+        ("deferred_store_in_flight", c_uint64),
+        ("deferred_being_loaded", c_uint64),
+        ("hits", c_uint64),
+        ("hit_tokens", c_uint64),
+        ("load_jobs", c_uint64),
+        ("store_jobs", c_uint64),
+        ("stored_chunks", c_uint64),
+        ("store_no_room", c_uint64),
+        ("failed_jobs", c_uint64),
+        ("loads_in_flight", c_uint64),
+        ("stores_in_flight", c_uint64),
+        ("manager", kvo_manager_stats),
+    ]
+
+
+class kvo_step_info(ctypes.Structure):
+    _fields_ = [
+        ("num_jobs", c_size_t),
+        ("num_flush", c_size_t),
+        ("block_size_factor", c_uint32),
+        ("reserved", c_uint32),
+    ]
+
+
+class kvo_job_info(ctypes.Structure):
+    _fields_ = [
+        ("id", c_uint64),
+        ("request_id", c_uint64),
+        ("kind", c_uint32),
+        ("group_size", c_uint32),
+        ("block_index", c_uint32),
+        ("reserved", c_uint32),
+        ("n_src", c_size_t),
+        ("n_dst", c_size_t),
+    ]
+
+
+#: C struct name -> ctypes class (used by the drift test).
+STRUCTS = {
+    "kvo_manager": _Manager,
+    "kvo_scheduler": _Scheduler,
+    "kvo_step": _Step,
+    "kvo_manager_config": kvo_manager_config,
+    "kvo_event": kvo_event,
+    "kvo_manager_stats": kvo_manager_stats,
+    "kvo_scheduler_config": kvo_scheduler_config,
+    "kvo_match_result": kvo_match_result,
+    "kvo_scheduled_request": kvo_scheduled_request,
+    "kvo_job_report": kvo_job_report,
+    "kvo_scheduler_stats": kvo_scheduler_stats,
+    "kvo_step_info": kvo_step_info,
+    "kvo_job_info": kvo_job_info,
+}
+
+# The C type aliases: kvo_status is int32_t; kvo_policy and kvo_lookup are uint32_t.
+kvo_status = c_int32
+
+_ManagerP = POINTER(_Manager)
+_SchedP = POINTER(_Scheduler)
+_StepP = POINTER(_Step)
+_u8p = POINTER(c_uint8)
+_u32p = POINTER(c_uint32)
+_u64p = POINTER(c_uint64)
+_sizep = POINTER(c_size_t)
+
+#: Every function of the header: name -> (restype, argtypes, returns kvo_status).
+FUNCTIONS = {
+    "kvo_last_error_message": (c_size_t, [POINTER(c_char), c_size_t], False),
+    "kvo_abi_version": (c_uint32, [], False),
+    "kvo_version": (c_char_p, [], False),
+    "kvo_manager_config_default": (kvo_status, [POINTER(kvo_manager_config)], True),
+    "kvo_manager_new": (kvo_status, [POINTER(kvo_manager_config), POINTER(_ManagerP)], True),
+    "kvo_manager_free": (None, [_ManagerP], False),
+    "kvo_manager_lookup": (kvo_status, [_ManagerP, c_char_p, _u32p], True),
+    "kvo_manager_lookup_prefix": (kvo_status, [_ManagerP, c_char_p, c_size_t, _sizep, _u32p], True),
+    "kvo_manager_prepare_load": (
+        kvo_status,
+        [_ManagerP, c_char_p, c_size_t, _u32p, c_size_t],
+        True,
+    ),
+    "kvo_manager_touch": (kvo_status, [_ManagerP, c_char_p, c_size_t], True),
+    "kvo_manager_complete_load": (kvo_status, [_ManagerP, c_char_p, c_size_t], True),
+    "kvo_manager_prepare_store": (
+        kvo_status,
+        [_ManagerP, c_char_p, c_size_t, _u32p, _u32p, _u8p, c_size_t, _sizep, _sizep],
+        True,
+    ),
+    "kvo_manager_complete_store": (kvo_status, [_ManagerP, c_char_p, c_size_t, c_uint32], True),
+    "kvo_manager_take_events": (
+        kvo_status,
+        [_ManagerP, POINTER(kvo_event), c_size_t, _u8p, c_size_t, _sizep, _sizep],
+        True,
+    ),
+    "kvo_manager_get_stats": (kvo_status, [_ManagerP, POINTER(kvo_manager_stats)], True),
+    "kvo_manager_reset": (kvo_status, [_ManagerP], True),
+    "kvo_manager_check_invariants": (kvo_status, [_ManagerP], True),
+    # -- scheduler ---------------------------------------------------------------------------
+    "kvo_scheduler_config_default": (kvo_status, [POINTER(kvo_scheduler_config)], True),
+    "kvo_scheduler_new": (kvo_status, [POINTER(kvo_scheduler_config), POINTER(_SchedP)], True),
+    "kvo_scheduler_free": (None, [_SchedP], False),
+    "kvo_scheduler_add_request": (kvo_status, [_SchedP, c_uint64, c_uint64, c_uint64], True),
+    "kvo_scheduler_append_block_hashes": (
+        kvo_status,
+        [_SchedP, c_uint64, c_char_p, c_size_t, c_uint64],
+        True,
+    ),
+    "kvo_scheduler_match": (
+        kvo_status,
+        [_SchedP, c_uint64, c_uint64, POINTER(kvo_match_result)],
+        True,
+    ),
+    "kvo_scheduler_on_alloc": (
+        kvo_status,
+        [_SchedP, c_uint64, _u32p, c_size_t, c_uint64, _u32p, _u64p],
+        True,
+    ),
+    "kvo_scheduler_build_step": (
+        kvo_status,
+        [_SchedP, POINTER(kvo_scheduled_request), c_size_t, _u64p, c_size_t, _StepP],
+        True,
+    ),
+    "kvo_scheduler_complete_jobs": (
+        kvo_status,
+        [_SchedP, POINTER(kvo_job_report), c_size_t],
+        True,
+    ),
+    "kvo_scheduler_finish_request": (kvo_status, [_SchedP, c_uint64], True),
+    "kvo_scheduler_load_failure": (kvo_status, [_SchedP, c_uint64, _u32p, _u64p, _u64p], True),
+    "kvo_scheduler_reset": (kvo_status, [_SchedP], True),
+    "kvo_scheduler_take_events": (
+        kvo_status,
+        [_SchedP, POINTER(kvo_event), c_size_t, _u8p, c_size_t, _sizep, _sizep],
+        True,
+    ),
+    "kvo_scheduler_get_stats": (kvo_status, [_SchedP, POINTER(kvo_scheduler_stats)], True),
+    "kvo_scheduler_check_invariants": (kvo_status, [_SchedP], True),
+    # -- step plans --------------------------------------------------------------------------
+    "kvo_step_new": (kvo_status, [POINTER(_StepP)], True),
+    "kvo_step_free": (None, [_StepP], False),
+    "kvo_step_get_info": (kvo_status, [_StepP, POINTER(kvo_step_info)], True),
+    "kvo_step_get_job": (kvo_status, [_StepP, c_size_t, POINTER(kvo_job_info)], True),
+    "kvo_step_get_job_blocks": (
+        kvo_status,
+        [_StepP, c_size_t, _u32p, c_size_t, _u32p, c_size_t],
+        True,
+    ),
+    "kvo_step_get_flush": (kvo_status, [_StepP, _u64p, c_size_t, _sizep], True),
+    "kvo_step_encode": (kvo_status, [_StepP, _u8p, c_size_t, _sizep], True),
+    "kvo_step_decode": (kvo_status, [_StepP, c_char_p, c_size_t], True),
+}
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+if sys.platform == "darwin":
+    _LIB_NAME = "libkvoffload.dylib"
+elif sys.platform == "win32":
+    _LIB_NAME = "kvoffload.dll"
+else:
+    _LIB_NAME = "libkvoffload.so"
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_REPO_DIR = os.path.dirname(os.path.dirname(_PKG_DIR))
+
+
+def _candidates():
+    """Where to look for the library, in order, when ``KVOFFLOAD_LIB`` is not set."""
+    target_dirs = []
+    if os.environ.get("CARGO_TARGET_DIR"):
+        target_dirs.append(os.environ["CARGO_TARGET_DIR"])
+    target_dirs.append(os.path.join(_REPO_DIR, "target"))
+    out = []
+    for t in target_dirs:
+        for profile in ("release", "debug"):
+            out.append(os.path.join(t, profile, _LIB_NAME))
+        for profile in ("release", "debug"):
+            out.append(os.path.join(t, profile, "deps", _LIB_NAME))
+    out.append(os.path.join(_PKG_DIR, _LIB_NAME))
+    out.append(os.path.join(os.path.dirname(_PKG_DIR), _LIB_NAME))
+    return out
+
+
+def _find_library():
+    env = os.environ.get("KVOFFLOAD_LIB")
+    if env:
+        if not os.path.isfile(env):
+            raise ImportError(f"kvoffload: KVOFFLOAD_LIB={env!r} is not a file")
+        return env
+    tried = _candidates()
+    for path in tried:
+        if os.path.isfile(path):
+            return path
+    raise ImportError(
+        f"kvoffload: {_LIB_NAME} not found; build it with `cargo build --release` or set "
+        "KVOFFLOAD_LIB. Tried:\n  " + "\n  ".join(tried)
+    )
+
+
+def _load():
+    path = _find_library()
+    try:
+        handle = ctypes.CDLL(path)
+    except OSError as e:
+        raise ImportError(f"kvoffload: cannot load {path}: {e}") from e
+    return path, handle
+
+
+lib_path, lib = _load()
+
+
+def last_error_message():
+    """The calling thread's last error message ("" after a successful call)."""
+    n = lib.kvo_last_error_message(None, 0)
+    if n == 0:
+        return ""
+    buf = ctypes.create_string_buffer(n + 1)
+    lib.kvo_last_error_message(buf, n + 1)
+    return buf.value.decode("utf-8", errors="replace")
+
+
+def _errcheck(result, func, args):
+    if result != Status.OK:
+        # Read right away, on the same thread, before any other kvo_* call.
+        raise error_for(result, last_error_message())
+    return result
+
+
+def _declare():
+    for name, (restype, argtypes, checked) in FUNCTIONS.items():
+        try:
+            f = getattr(lib, name)
+        except AttributeError as e:
+            raise ImportError(f"kvoffload: {lib_path} does not export {name}") from e
+        f.restype = restype
+        f.argtypes = argtypes
+        if checked:
+            f.errcheck = _errcheck
+
+
+# kvo_abi_version first, on its own, so that a mismatching library is refused before any other
+# declaration is trusted.
+lib.kvo_abi_version.restype = c_uint32
+lib.kvo_abi_version.argtypes = []
+_found_abi = lib.kvo_abi_version()
+if _found_abi != ABI_VERSION:
+    raise ImportError(
+        f"kvoffload: {lib_path} has C ABI version {_found_abi}, these bindings need {ABI_VERSION}"
+    )
+_declare()
+
+
+def version():
+    """The library version (``kvo_version()``)."""
+    return lib.kvo_version().decode("ascii")
