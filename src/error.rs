@@ -28,6 +28,18 @@ pub enum Error {
     /// Serialized bytes that are truncated, corrupt or of another version.
     #[error("{0}")]
     CorruptData(String),
+    /// No CUDA driver or device.
+    #[error("{0}")]
+    CudaUnavailable(String),
+    /// A CUDA call failed; the message names the call and the driver's error.
+    #[error("{0}")]
+    Cuda(String),
+    /// An operating-system call failed.
+    #[error("{0}")]
+    Io(String),
+    /// A wait ran out of time.
+    #[error("{0}")]
+    Timeout(String),
     /// Memory could not be allocated.
     #[error("out of memory: {0}")]
     OutOfMemory(String),

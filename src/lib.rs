@@ -10,5 +10,6 @@ pub mod ffi;
 pub mod manager;
 pub mod replay;
 pub mod scheduler;
+pub mod transfer;
 
 pub use error::{Error, Result};

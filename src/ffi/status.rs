@@ -33,6 +33,8 @@ pub enum kvo_status {
     Panic = 11,
     /// An invariant was found broken.
     Internal = 12,
+    /// A wait ran out of time before the jobs finished.
+    Timeout = 13,
 }
 
 impl From<&Error> for kvo_status {
@@ -44,7 +46,10 @@ impl From<&Error> for kvo_status {
             Error::NoRoom(_) => Self::NoRoom,
             Error::BufferTooSmall { .. } => Self::BufferTooSmall,
             Error::CorruptData(_) => Self::CorruptData,
-            Error::OutOfMemory(_) => Self::IoError,
+            Error::CudaUnavailable(_) => Self::CudaUnavailable,
+            Error::Cuda(_) => Self::CudaError,
+            Error::Io(_) | Error::OutOfMemory(_) => Self::IoError,
+            Error::Timeout(_) => Self::Timeout,
             Error::Internal(_) => Self::Internal,
         }
     }
