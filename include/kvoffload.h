@@ -109,6 +109,10 @@ enum kvo_status
    * An invariant was found broken.
    */
   KVO_STATUS_INTERNAL = 12,
+  /**
+   * A wait ran out of time before the jobs finished.
+   */
+  KVO_STATUS_TIMEOUT = 13,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
