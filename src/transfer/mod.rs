@@ -4,5 +4,15 @@
 
 pub mod backend;
 pub mod cuda;
+pub mod host;
+pub mod layout;
+pub mod plan;
+pub mod worker;
 
 pub use backend::{Backend, Completion, CopyDesc, Direction};
+pub use layout::KvTensor;
+pub use plan::JobBlocks;
+pub use worker::{BackendKind, Worker, WorkerConfig};
+
+#[cfg(test)]
+mod tests;

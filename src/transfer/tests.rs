@@ -1,0 +1,306 @@
+//! Worker tests on the host backend: byte-exact copies, layouts, ordering and bad input.
+
+use super::*;
+use crate::Error;
+use crate::scheduler::{JobKind, Step};
+use std::time::Duration;
+
+/// A fake "GPU" tensor in host memory: `blocks` blocks of `page` bytes, `stride` apart, filled
+/// with a pattern unique to the tensor and the byte.
+struct Mem {
+    buf: Vec<u64>,
+    tensor: KvTensor,
+}
+
+impl Mem {
+    fn new(tag: u8, blocks: u32, page: u64, stride: u64) -> Self {
+        let words = (blocks as u64 * stride).div_ceil(8) as usize;
+        let mut buf = vec![0u64; words];
+        let bytes = bytes_mut(&mut buf);
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(31) ^ tag;
+        }
+        let tensor =
+            KvTensor { base: buf.as_ptr() as u64, num_blocks: blocks, block_stride: stride, page_size: page, on_device: false };
+        Self { buf, tensor }
+    }
+
+    fn page(&self, b: u32) -> Vec<u8> {
+        let t = &self.tensor;
+        let at = (b as u64 * t.block_stride) as usize;
+        bytes(&self.buf)[at..at + t.page_size as usize].to_vec()
+    }
+
+    fn snapshot(&self) -> Vec<u8> {
+        bytes(&self.buf).to_vec()
+    }
+}
+
+fn bytes(v: &[u64]) -> &[u8] {
+    // SAFETY: u64 storage viewed as bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 8) }
+}
+
+fn bytes_mut(v: &mut [u64]) -> &mut [u8] {
+    // SAFETY: u64 storage viewed as bytes.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * 8) }
+}
+
+fn host_sub_block(w: &Worker, t: usize, slot: u32, sub: u32, page: u64) -> Vec<u8> {
+    let (p, _) = w.host_buffer(t).unwrap();
+    let factor = w.config().block_size_factor as u64;
+    let at = (slot as u64 * page * factor + sub as u64 * page) as usize;
+    // SAFETY: inside the worker's host buffer.
+    unsafe { std::slice::from_raw_parts(p.add(at), page as usize).to_vec() }
+}
+
+fn worker(factor: u32, slots: u32, mems: &[&Mem]) -> Worker {
+    let cfg = WorkerConfig { block_size_factor: factor, num_host_slots: slots, threads: 2, backend: BackendKind::Host };
+    let tensors: Vec<KvTensor> = mems.iter().map(|m| m.tensor).collect();
+    Worker::new(cfg, &tensors, None).unwrap()
+}
+
+fn drain(w: &mut Worker, ids: &[u64]) -> Vec<Completion> {
+    w.wait(ids, Duration::from_secs(10)).unwrap();
+    let mut out = Vec::new();
+    w.poll(&mut out).unwrap();
+    out
+}
+
+/// Deterministic pseudo-random numbers.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self, n: u64) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
+}
+
+#[test]
+fn store_then_load_round_trips_byte_exact() {
+    for factor in [1u32, 3] {
+        for skip in [0u32, 1, 2] {
+            if skip >= factor && skip > 0 {
+                continue;
+            }
+            let a = Mem::new(1, 40, 256, 256);
+            let b = Mem::new(2, 40, 128, 192); // strided: padding between pages
+            let mut w = worker(factor, 16, &[&a, &b]);
+            let mut rng = Rng(factor as u64 * 10 + skip as u64);
+            let n = 7u32;
+            let gpu: Vec<u32> = (0..n).map(|_| rng.next(40) as u32).collect();
+            let slots_needed = (n + skip).div_ceil(factor);
+            let slots: Vec<u32> = (0..slots_needed).map(|i| 15 - i).collect();
+            let (a0, b0) = (a.snapshot(), b.snapshot());
+            let store = JobBlocks { kind: JobKind::Store, src: &gpu, dst: &slots, block_index: skip };
+            w.submit(1, &store, 0).unwrap();
+            let done = drain(&mut w, &[1]);
+            assert_eq!(done.len(), 1);
+            assert!(done[0].success, "{:?}", done[0].error);
+            assert_eq!(done[0].bytes, n as u64 * (256 + 128), "bytes = blocks x sum of pages");
+            assert_eq!((a.snapshot(), b.snapshot()), (a0.clone(), b0.clone()), "sources unchanged");
+            for (i, &g) in gpu.iter().enumerate() {
+                let k = skip + i as u32;
+                for (t, m) in [&a, &b].iter().enumerate() {
+                    let page = m.tensor.page_size;
+                    assert_eq!(host_sub_block(&w, t, slots[(k / factor) as usize], k % factor, page), m.page(g));
+                }
+            }
+            // Skipped leading sub-blocks of the first slot stay zero.
+            for j in 0..skip {
+                assert!(host_sub_block(&w, 0, slots[0], j, 256).iter().all(|&x| x == 0));
+            }
+            // Load back into other blocks of fresh tensors.
+            let c = Mem::new(3, 40, 256, 256);
+            let d = Mem::new(4, 40, 128, 192);
+            let (c0, d0) = (c.snapshot(), d.snapshot());
+            let mut w2 = worker(factor, 16, &[&c, &d]);
+            for t in 0..2 {
+                let (src, len) = w.host_buffer(t).unwrap();
+                let (dst, len2) = w2.host_buffer(t).unwrap();
+                assert_eq!(len, len2);
+                // SAFETY: two distinct host buffers of equal length.
+                unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+            }
+            let targets: Vec<u32> = (0..n).map(|i| 39 - 2 * i).collect();
+            let load = JobBlocks { kind: JobKind::Load, src: &slots, dst: &targets, block_index: skip };
+            w2.submit(2, &load, 0).unwrap();
+            assert!(drain(&mut w2, &[2])[0].success);
+            for (i, &g) in gpu.iter().enumerate() {
+                assert_eq!(c.page(targets[i]), a.page(g));
+                assert_eq!(d.page(targets[i]), b.page(g));
+            }
+            // Blocks not loaded are untouched (including the stride padding).
+            let (c1, d1) = (c.snapshot(), d.snapshot());
+            for blk in 0..40u32 {
+                if targets.contains(&blk) {
+                    continue;
+                }
+                let (s, e) = ((blk * 256) as usize, (blk * 256 + 256) as usize);
+                assert_eq!(c1[s..e], c0[s..e]);
+                let (s, e) = ((blk * 192) as usize, (blk * 192 + 192) as usize);
+                assert_eq!(d1[s..e], d0[s..e]);
+            }
+        }
+    }
+}
+
+#[test]
+fn plans_merge_contiguous_runs() {
+    let a = Mem::new(1, 16, 64, 64);
+    let w = worker(2, 8, &[&a]);
+    let mut out = Vec::new();
+    let job = JobBlocks { kind: JobKind::Store, src: &[4, 5, 6, 7, 9], dst: &[2, 3, 5], block_index: 0 };
+    let bytes = w.plan(&job, &mut out).unwrap();
+    assert_eq!(bytes, 5 * 64);
+    // GPU 4..8 → slots 2, 3 (contiguous on both sides): one descriptor; GPU 9 → slot 5.
+    assert_eq!(out.len(), 2);
+    assert_eq!(out[0].size, 4 * 64);
+    assert_eq!((out[1].src, out[1].size), (a.tensor.block(9), 64));
+}
+
+#[test]
+fn fifo_completion_per_direction_and_large_split_jobs() {
+    let a = Mem::new(1, 64, 1 << 16, 1 << 16); // 4 MiB of 64 KiB blocks
+    let mut w = worker(1, 64, &[&a]);
+    let all: Vec<u32> = (0..64).collect();
+    for id in 0..6u64 {
+        let job = JobBlocks { kind: JobKind::Store, src: &all, dst: &all, block_index: 0 };
+        w.submit(id, &job, 0).unwrap();
+    }
+    let done = drain(&mut w, &[0, 1, 2, 3, 4, 5]);
+    assert_eq!(done.iter().map(|c| c.job_id).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5]);
+    assert!(done.iter().all(|c| c.success && c.bytes == 64 << 16));
+    for b in [0u32, 31, 63] {
+        assert_eq!(host_sub_block(&w, 0, b, 0, 1 << 16), a.page(b));
+    }
+}
+
+#[test]
+fn bad_jobs_fail_and_nothing_crashes() {
+    let a = Mem::new(1, 8, 64, 64);
+    let mut w = worker(1, 4, &[&a]);
+    let before = a.snapshot();
+    w.submit(1, &JobBlocks { kind: JobKind::Store, src: &[8], dst: &[0], block_index: 0 }, 0).unwrap();
+    w.submit(2, &JobBlocks { kind: JobKind::Store, src: &[0], dst: &[4], block_index: 0 }, 0).unwrap();
+    w.submit(3, &JobBlocks { kind: JobKind::Load, src: &[0, 1], dst: &[0], block_index: 0 }, 0).unwrap();
+    assert!(matches!(
+        w.submit(3, &JobBlocks { kind: JobKind::Load, src: &[0], dst: &[0], block_index: 0 }, 0),
+        Err(Error::InvalidState(_))
+    ));
+    let mut out = Vec::new();
+    w.poll(&mut out).unwrap();
+    assert_eq!(out.len(), 3);
+    assert!(out.iter().all(|c| !c.success));
+    assert!(out[0].error.as_ref().unwrap().contains("block id 8"));
+    assert!(out[1].error.as_ref().unwrap().contains("host slot 4"));
+    assert_eq!(a.snapshot(), before);
+    assert!(matches!(w.wait(&[42], Duration::from_secs(1)), Err(Error::NotFound(m)) if m.contains("42")));
+    w.shutdown().unwrap();
+    assert!(matches!(
+        w.submit(9, &JobBlocks { kind: JobKind::Store, src: &[0], dst: &[0], block_index: 0 }, 0),
+        Err(Error::InvalidState(_))
+    ));
+}
+
+#[test]
+fn registrations_are_validated() {
+    let a = Mem::new(1, 8, 64, 64);
+    let cfg = WorkerConfig { num_host_slots: 4, ..Default::default() };
+    let t = a.tensor;
+    let cases = [
+        (vec![], "none"),
+        (vec![t, KvTensor { base: t.base + 64, ..t }], "overlaps"),
+        (vec![KvTensor { page_size: 0, ..t }], "0 bytes"),
+        (vec![KvTensor { num_blocks: 0, ..t }], "0 blocks"),
+        (vec![KvTensor { block_stride: 60, page_size: 60, ..t }], "multiples"),
+        (vec![KvTensor { block_stride: 32, ..t }], "block_stride"),
+        (vec![KvTensor { base: 0, ..t }], "NULL"),
+        (vec![KvTensor { on_device: true, ..t }], "CUDA"),
+        (vec![KvTensor { base: u64::MAX - 63, ..t }], "overflow"),
+    ];
+    for (tensors, what) in cases {
+        let r = Worker::new(cfg, &tensors, None);
+        assert!(matches!(&r, Err(Error::InvalidArgument(m)) if m.contains(what)), "{what}: {:?}", r.err());
+    }
+    assert!(matches!(
+        Worker::new(WorkerConfig { num_host_slots: 0, ..cfg }, &[t], None),
+        Err(Error::InvalidArgument(_))
+    ));
+    let mut small = vec![0u8; 100];
+    let r = Worker::new(cfg, &[t], Some(&[(small.as_mut_ptr(), 100)]));
+    assert!(matches!(r, Err(Error::InvalidArgument(m)) if m.contains("host_memory[0]")));
+}
+
+#[test]
+fn caller_host_memory_and_swap_blocks() {
+    let a = Mem::new(1, 8, 64, 64);
+    let b = Mem::new(2, 8, 64, 128);
+    let mut host = vec![0u8; 4 * 64 * 2];
+    let cfg = WorkerConfig { num_host_slots: 4, ..Default::default() };
+    let half = host.len() / 2;
+    let (h0, h1) = host.split_at_mut(half);
+    let mut w = Worker::new(cfg, &[a.tensor, b.tensor], Some(&[(h0.as_mut_ptr(), half), (h1.as_mut_ptr(), half)]))
+        .unwrap();
+    w.submit(1, &JobBlocks { kind: JobKind::Store, src: &[3], dst: &[2], block_index: 0 }, 0).unwrap();
+    drain(&mut w, &[1]);
+    assert_eq!(&host[128..192], &a.page(3)[..]);
+    // Synchronous swap: a's blocks 1, 2 → b's blocks 6, 7.
+    w.swap_blocks(0, 1, &[1, 2], &[6, 7], None).unwrap();
+    assert_eq!((b.page(6), b.page(7)), (a.page(1), a.page(2)));
+    // As a job.
+    w.swap_blocks(1, 0, &[0], &[5], Some(77)).unwrap();
+    let done = drain(&mut w, &[77]);
+    assert_eq!((done[0].job_id, done[0].bytes), (77, 64));
+    assert_eq!(a.page(5), b.page(0));
+    assert!(matches!(w.swap_blocks(0, 1, &[8], &[0], None), Err(Error::InvalidArgument(_))));
+    assert!(matches!(w.swap_blocks(0, 2, &[0], &[0], None), Err(Error::InvalidArgument(_))));
+}
+
+#[test]
+fn submit_step_runs_a_scheduler_plan() {
+    use crate::manager::Policy;
+    use crate::scheduler::{Match, ScheduledRequest, Scheduler, SchedulerConfig};
+    let a = Mem::new(1, 32, 64, 64);
+    let mut w = worker(2, 8, &[&a]);
+    let mut s = Scheduler::new(SchedulerConfig {
+        key_len: 8,
+        gpu_block_size: 4,
+        block_size_factor: 2,
+        num_slots: 8,
+        policy: Policy::Lru,
+        offload_prompt_only: false,
+        ..Default::default()
+    })
+    .unwrap();
+    let hashes: Vec<u8> = (0..4u64).flat_map(|i| i.to_be_bytes()).collect();
+    s.add_request(1, 16, None).unwrap();
+    s.append_block_hashes(1, &hashes, 16).unwrap();
+    assert_eq!(s.match_request(1, 0).unwrap(), Match::Miss);
+    let blocks = [10u32, 11, 12, 13];
+    let mut step = Step::new();
+    let req = ScheduledRequest {
+        request_id: 1,
+        num_computed_tokens: 0,
+        num_scheduled_tokens: 16,
+        num_tokens: 16,
+        new_block_ids: &blocks,
+        resumed: false,
+    };
+    s.build_step(&[req], &[], &mut step).unwrap();
+    // Ship it as bytes, as to another process.
+    let mut bytes = Vec::new();
+    step.encode(&mut bytes);
+    let mut received = Step::new();
+    received.decode(&bytes).unwrap();
+    w.submit_step(&received, 0).unwrap();
+    let ids: Vec<u64> = received.jobs().iter().map(|j| j.id).collect();
+    let done = drain(&mut w, &ids);
+    assert!(done.iter().all(|c| c.success));
+    let slots = received.dst(&received.jobs()[0]).to_vec();
+    assert_eq!(host_sub_block(&w, 0, slots[0], 1, 64), a.page(11));
+    assert_eq!(host_sub_block(&w, 0, slots[1], 0, 64), a.page(12));
+    let mut other = received.clone();
+    other.block_size_factor = 3;
+    assert!(matches!(w.submit_step(&other, 0), Err(Error::InvalidArgument(m)) if m.contains("block_size_factor")));
+}

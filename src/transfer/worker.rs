@@ -1,0 +1,276 @@
+//! The worker: a KV layout, host tier buffers and a copy backend; takes jobs (alone or as a whole
+//! step plan), reports completions by polling, and waits for listed jobs (the flush before a
+//! forward pass).
+
+use super::backend::{Backend, Completion, CopyDesc, Direction};
+use super::host::HostBackend;
+use super::layout::{self, HostBuffer, KvTensor};
+use super::plan::{JobBlocks, plan_job, push_merged};
+use crate::error::{Error, Result, invalid};
+use crate::scheduler::{JobKind, Step};
+use hashbrown::HashSet;
+use std::time::Duration;
+
+/// Which copy engine a worker uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    /// memcpy on host threads (tensors in host memory).
+    Host,
+    /// The CUDA driver, on this device ordinal.
+    Cuda(i32),
+}
+
+/// Worker configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerConfig {
+    /// GPU blocks per host slot (as the scheduler's).
+    pub block_size_factor: u32,
+    /// Host slots (as the scheduler's).
+    pub num_host_slots: u32,
+    /// Threads the host backend may use for one large job (>= 1).
+    pub threads: usize,
+    /// Copy engine.
+    pub backend: BackendKind,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self { block_size_factor: 1, num_host_slots: 0, threads: 4, backend: BackendKind::Host }
+    }
+}
+
+/// Executes load and store jobs between registered KV tensors and host tier buffers.
+pub struct Worker {
+    cfg: WorkerConfig,
+    kv: Vec<KvTensor>,
+    host: Vec<HostBuffer>,
+    backend: Box<dyn Backend>,
+    /// Jobs submitted and not yet reported by `poll`.
+    known: HashSet<u64>,
+    /// Completions to report at the next poll (failed submissions, swaps' neighbours).
+    ready: Vec<Completion>,
+    descs: Vec<CopyDesc>,
+    next_internal_id: u64,
+    shut_down: bool,
+}
+
+impl Worker {
+    /// A worker over `tensors` (the server's KV cache, canonical layout). Host tier buffers are
+    /// allocated (page-aligned; page-locked with CUDA), or taken from `host_memory` (one
+    /// `(pointer, length)` per tensor, kept valid by the caller until the worker is dropped).
+    pub fn new(cfg: WorkerConfig, tensors: &[KvTensor], host_memory: Option<&[(*mut u8, usize)]>) -> Result<Self> {
+        if cfg.block_size_factor == 0 {
+            return Err(invalid!("block_size_factor: 0"));
+        }
+        if cfg.num_host_slots == 0 {
+            return Err(invalid!("num_host_slots: 0"));
+        }
+        layout::validate(tensors)?;
+        let mut backend: Box<dyn Backend> = match cfg.backend {
+            BackendKind::Host => {
+                if let Some(i) = tensors.iter().position(|t| t.on_device) {
+                    return Err(invalid!("tensors[{i}]: device memory needs the CUDA backend"));
+                }
+                Box::new(HostBackend::new(cfg.threads)?)
+            }
+            BackendKind::Cuda(_device) => return Err(Error::CudaUnavailable("CUDA backend: TEMP until cuda.rs lands".into())),
+        };
+        let mut host = Vec::with_capacity(tensors.len());
+        for (i, t) in tensors.iter().enumerate() {
+            let buf = match host_memory {
+                None => HostBuffer::allocate(cfg.num_host_slots, t.page_size, cfg.block_size_factor)?,
+                Some(mem) => {
+                    let &(p, len) = mem
+                        .get(i)
+                        .ok_or_else(|| invalid!("host_memory: {} buffers for {} tensors", mem.len(), tensors.len()))?;
+                    HostBuffer::borrowed(p, len, cfg.num_host_slots, t.page_size, cfg.block_size_factor)
+                        .map_err(|e| invalid!("host_memory[{i}]: {e}"))?
+                }
+            };
+            let (p, len) = buf.raw();
+            backend.register_host(p, len)?;
+            host.push(buf);
+        }
+        Ok(Self {
+            cfg,
+            kv: tensors.to_vec(),
+            host,
+            backend,
+            known: HashSet::new(),
+            ready: Vec::new(),
+            descs: Vec::new(),
+            next_internal_id: u64::MAX,
+            shut_down: false,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &WorkerConfig {
+        &self.cfg
+    }
+
+    /// The host tier buffer of tensor `t`: (address, length).
+    pub fn host_buffer(&self, t: usize) -> Result<(*mut u8, usize)> {
+        self.host.get(t).map(|h| h.raw()).ok_or_else(|| invalid!("tensor: {t} of {}", self.host.len()))
+    }
+
+    fn check_new_id(&self, job_id: u64) -> Result<()> {
+        if self.shut_down {
+            return Err(Error::InvalidState("worker is shut down".into()));
+        }
+        if self.known.contains(&job_id) {
+            return Err(Error::InvalidState(format!("job_id: {job_id} is already submitted")));
+        }
+        Ok(())
+    }
+
+    /// Submits one job. Block ids outside the registration or counts that do not fit the group
+    /// make the job complete as failed (with the reason) at the next poll; a backend error
+    /// (CUDA) likewise. Fails only for a job id already in flight or after shutdown.
+    /// `compute_stream` (CUDA stream handle, 0 for none): stores start after its queued work.
+    pub fn submit(&mut self, job_id: u64, job: &JobBlocks<'_>, compute_stream: u64) -> Result<()> {
+        self.check_new_id(job_id)?;
+        self.descs.clear();
+        let planned = plan_job(
+            job,
+            &self.kv,
+            &self.host,
+            self.cfg.block_size_factor,
+            self.cfg.num_host_slots,
+            &mut self.descs,
+        );
+        let dir = if job.kind == JobKind::Load { Direction::ToKv } else { Direction::ToHost };
+        self.known.insert(job_id);
+        let submitted =
+            planned.and_then(|bytes| self.backend.submit(job_id, dir, &self.descs, compute_stream).map(|_| bytes));
+        if let Err(e) = submitted {
+            self.ready.push(Completion { job_id, success: false, bytes: 0, seconds: 0.0, error: Some(e.to_string()) });
+        }
+        Ok(())
+    }
+
+    /// Submits every job of a step plan (loads first, in plan order). Fails, submitting nothing,
+    /// if a job id is already in flight, the plan's factor differs from the worker's, or after
+    /// shutdown.
+    pub fn submit_step(&mut self, step: &Step, compute_stream: u64) -> Result<()> {
+        if step.block_size_factor != self.cfg.block_size_factor && !step.jobs().is_empty() {
+            return Err(invalid!(
+                "step: block_size_factor {} but the worker's is {}",
+                step.block_size_factor,
+                self.cfg.block_size_factor
+            ));
+        }
+        for j in step.jobs() {
+            self.check_new_id(j.id)?;
+        }
+        for j in step.jobs() {
+            let blocks = JobBlocks { kind: j.kind, src: step.src(j), dst: step.dst(j), block_index: j.block_index };
+            self.submit(j.id, &blocks, compute_stream)?;
+        }
+        Ok(())
+    }
+
+    /// The copy descriptors of `job` (appended to `out`) and its bytes, as `submit` plans them.
+    pub fn plan(&self, job: &JobBlocks<'_>, out: &mut Vec<CopyDesc>) -> Result<u64> {
+        plan_job(job, &self.kv, &self.host, self.cfg.block_size_factor, self.cfg.num_host_slots, out)
+    }
+
+    /// Appends the jobs finished since the last poll (per direction in submission order; failed
+    /// submissions first).
+    pub fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
+        let start = out.len();
+        out.append(&mut self.ready);
+        self.backend.poll(out)?;
+        for c in &out[start..] {
+            self.known.remove(&c.job_id);
+        }
+        Ok(())
+    }
+
+    /// Blocks until every listed job has finished (the flush before a forward pass). Fails with
+    /// [`Error::NotFound`] for an id never submitted or already reported by `poll`, with
+    /// [`Error::Timeout`] when `timeout` passes first.
+    pub fn wait(&mut self, job_ids: &[u64], timeout: Duration) -> Result<()> {
+        if let Some((i, id)) = job_ids.iter().enumerate().find(|(_, id)| !self.known.contains(*id)) {
+            return Err(Error::NotFound(format!("job_ids[{i}]: {id} is not in flight")));
+        }
+        self.backend.wait(job_ids, timeout)
+    }
+
+    /// Copies block `src_blocks[i]` of tensor `src_tensor` to block `dst_blocks[i]` of tensor
+    /// `dst_tensor` (a `swap_blocks` equivalent). With `job_id` the copy is queued as a job and
+    /// reported by `poll`; without, it runs now and returns when done.
+    pub fn swap_blocks(
+        &mut self,
+        src_tensor: usize,
+        dst_tensor: usize,
+        src_blocks: &[u32],
+        dst_blocks: &[u32],
+        job_id: Option<u64>,
+    ) -> Result<()> {
+        let (Some(s), Some(d)) = (self.kv.get(src_tensor), self.kv.get(dst_tensor)) else {
+            return Err(invalid!("src_tensor {src_tensor} / dst_tensor {dst_tensor}: {} registered", self.kv.len()));
+        };
+        if src_blocks.len() != dst_blocks.len() {
+            return Err(invalid!("dst_blocks: {} ids for {} sources", dst_blocks.len(), src_blocks.len()));
+        }
+        if s.page_size != d.page_size {
+            return Err(invalid!("dst_tensor: page {} bytes, source page {}", d.page_size, s.page_size));
+        }
+        if let Some(b) = src_blocks.iter().find(|&&b| b >= s.num_blocks) {
+            return Err(invalid!("src_blocks: {b} outside {} blocks", s.num_blocks));
+        }
+        if let Some(b) = dst_blocks.iter().find(|&&b| b >= d.num_blocks) {
+            return Err(invalid!("dst_blocks: {b} outside {} blocks", d.num_blocks));
+        }
+        let id = match job_id {
+            Some(id) => id,
+            None => {
+                self.next_internal_id -= 1;
+                self.next_internal_id
+            }
+        };
+        self.check_new_id(id)?;
+        self.descs.clear();
+        for (&a, &b) in src_blocks.iter().zip(dst_blocks) {
+            push_merged(&mut self.descs, CopyDesc { src: s.block(a), dst: d.block(b), size: s.page_size });
+        }
+        let dir = if d.on_device { Direction::ToKv } else { Direction::ToHost };
+        self.backend.submit(id, dir, &self.descs, 0)?;
+        self.known.insert(id);
+        if job_id.is_none() {
+            self.backend.wait(&[id], Duration::MAX)?;
+            let mut done = Vec::new();
+            self.backend.poll(&mut done)?;
+            for c in done {
+                if c.job_id == id {
+                    self.known.remove(&id);
+                    if !c.success {
+                        return Err(Error::Internal(c.error.unwrap_or_default()));
+                    }
+                } else {
+                    self.ready.push(c);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Finishes every job in flight, then refuses new submissions. Completions stay pollable.
+    pub fn shutdown(&mut self) -> Result<()> {
+        let ids: Vec<u64> = self.known.iter().copied().collect();
+        self.backend.wait(&ids, Duration::MAX)?;
+        self.shut_down = true;
+        Ok(())
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let ids: Vec<u64> = self.known.iter().copied().collect();
+        let _ = self.backend.wait(&ids, Duration::from_secs(60));
+        for h in &self.host {
+            let _ = self.backend.unregister_host(h.raw().0);
+        }
+    }
+}
