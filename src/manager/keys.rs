@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use hashbrown::{DefaultHashBuilder, HashTable};
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hasher};
 
 /// A map from keys of `key_len` bytes to ids; the caller chooses the ids.
 #[derive(Clone)]
@@ -29,6 +29,23 @@ pub(crate) fn key_eq(a: &[u8], b: &[u8]) -> bool {
         16 if b.len() == 16 => words::<16>(a, b),
         32 if b.len() == 32 => words::<32>(a, b),
         _ => a == b,
+    }
+}
+
+/// Copies a key with fixed-size moves for the common widths (no `memcpy` call).
+#[inline(always)]
+pub(crate) fn copy_key(dst: &mut [u8], src: &[u8]) {
+    #[inline(always)]
+    fn words<const N: usize>(dst: &mut [u8], src: &[u8]) {
+        let s: &[u8; N] = src.try_into().unwrap();
+        let d: &mut [u8; N] = dst.try_into().unwrap();
+        *d = *s;
+    }
+    match (dst.len(), src.len()) {
+        (8, 8) => words::<8>(dst, src),
+        (16, 16) => words::<16>(dst, src),
+        (32, 32) => words::<32>(dst, src),
+        _ => dst.copy_from_slice(src),
     }
 }
 
@@ -74,9 +91,12 @@ impl KeyTable {
         })
     }
 
+    /// Hash of a key: its bytes only (keys have one fixed width, so no length prefix).
     #[inline]
     pub fn hash(&self, key: &[u8]) -> u64 {
-        self.hasher.hash_one(key)
+        let mut h = self.hasher.build_hasher();
+        h.write(key);
+        h.finish()
     }
 
     /// The bytes of the key stored under `id`.
@@ -115,7 +135,7 @@ impl KeyTable {
                 .resize((at + self.key_len).max(self.arena.len() * 2), 0);
             self.hashes.resize(self.arena.len() / self.key_len, 0);
         }
-        self.arena[at..at + self.key_len].copy_from_slice(key);
+        copy_key(&mut self.arena[at..at + self.key_len], key);
         self.hashes[id as usize] = hash;
         let hashes = &self.hashes;
         self.table.insert_unique(hash, id, |&i| hashes[i as usize]);

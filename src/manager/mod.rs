@@ -543,7 +543,7 @@ impl Manager {
         }
         for (j, &s) in self.scratch_victims.iter().enumerate() {
             let key = self.keys.key(s);
-            out_evicted[j * kl..(j + 1) * kl].copy_from_slice(key);
+            keys::copy_key(&mut out_evicted[j * kl..(j + 1) * kl], key);
             if self.cfg.enable_events {
                 self.events.push_key(key);
             }
