@@ -8,6 +8,10 @@
         m.complete_store([k1, k2])        # the copies finished: k1 and k2 are ready
         assert m.lookup(k1) == kvoffload.Lookup.HIT
 
+The scheduler side (:class:`Scheduler`: requests, matching with the deferral rule, load and
+store jobs) builds a :class:`Step` plan per engine step; ``Step.encode()`` / ``Step.decode()``
+carry it to the workers, whose reports go back through :meth:`Scheduler.complete_jobs`.
+
 The shared library is found through ``KVOFFLOAD_LIB``, then ``<repo>/target/{release,debug}``
 (and their ``deps/``), then next to this package. Importing fails with ``ImportError`` when the
 library's ABI version is not :data:`ABI_VERSION`.
@@ -17,7 +21,6 @@ library's message. Keys are ``bytes`` of exactly ``key_len`` bytes.
 """
 
 import ctypes
-import dataclasses
 import weakref
 from typing import List, NamedTuple, Tuple
 
@@ -34,12 +37,36 @@ from ._ffi import (
     lib_path,
     version,
 )
+from ._common import _MAX_U32, _MAX_U64, _POLICIES, _STATS_FIELDS, Event, ManagerStats, _uint
+from ._scheduler import (
+    Job,
+    JobReport,
+    MatchResult,
+    Recompute,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerStats,
+    Step,
+    StepInfo,
+)
 
-__all__ = list(_ffi.__all__) + ["version", "Manager", "StorePlan", "Event", "ManagerStats"]
+__all__ = list(_ffi.__all__) + [
+    "version",
+    "Manager",
+    "StorePlan",
+    "Event",
+    "ManagerStats",
+    "Scheduler",
+    "SchedulerStats",
+    "ScheduledRequest",
+    "MatchResult",
+    "JobReport",
+    "Recompute",
+    "Step",
+    "StepInfo",
+    "Job",
+]
 __version__ = version()
-
-_MAX_U32 = 2**32 - 1
-_MAX_U64 = 2**64 - 1
 
 
 class StorePlan(NamedTuple):
@@ -53,46 +80,6 @@ class StorePlan(NamedTuple):
     indices: List[int]
     slots: List[int]
     evicted: List[bytes]
-
-
-class Event(NamedTuple):
-    """One event of :meth:`Manager.take_events`: ``removed`` True for evicted keys, False for
-    keys that became ready (stored)."""
-
-    removed: bool
-    keys: List[bytes]
-
-
-@dataclasses.dataclass(frozen=True)
-class ManagerStats:
-    """Counters and gauges of a manager (``kvo_manager_stats``)."""
-
-    capacity: int
-    used: int
-    ready: int
-    evictable: int
-    pinned: int
-    stores_in_flight: int
-    lookups: int
-    hits: int
-    stores_skipped: int
-    evictions: int
-
-    def as_dict(self):
-        return dataclasses.asdict(self)
-
-
-_STATS_FIELDS = [f.name for f in dataclasses.fields(ManagerStats)]
-
-_POLICIES = {"lru": Policy.LRU, "arc": Policy.ARC}
-
-
-def _uint(name, value, maximum):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if not 0 <= value <= maximum:
-        raise ValueError(f"{name}: {value} is not in 0..={maximum}")
-    return value
 
 
 class Manager:
@@ -133,8 +120,8 @@ class Manager:
         lib.kvo_manager_new(ctypes.byref(cfg), ctypes.byref(ptr))
         self._ptr = ptr
         self._finalizer = weakref.finalize(self, lib.kvo_manager_free, ptr)
-        self.key_len = key_len
-        self.num_slots = num_slots
+        self.key_len = cfg.key_len
+        self.num_slots = cfg.num_slots
         self.policy = Policy(policy)
 
     # -- lifetime -------------------------------------------------------------------------------

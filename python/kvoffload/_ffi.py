@@ -40,6 +40,7 @@ __all__ = [
     "IoError",
     "PanicError",
     "InternalError",
+    "KvoTimeoutError",
     "lib",
     "lib_path",
     "last_error_message",
@@ -72,6 +73,7 @@ class Status(enum.IntEnum):
     IO_ERROR = 10
     PANIC = 11
     INTERNAL = 12
+    TIMEOUT = 13
 
 
 class Policy(enum.IntEnum):
@@ -214,6 +216,13 @@ class InternalError(KvoError):
     """``KVO_STATUS_INTERNAL``: an invariant was found broken."""
 
 
+class KvoTimeoutError(KvoError):
+    """``KVO_STATUS_TIMEOUT``: a wait ran out of time before the jobs finished.
+
+    (Named so as not to shadow the builtin ``TimeoutError`` on ``from kvoffload import *``.)
+    """
+
+
 _ERROR_CLASSES = {
     Status.NULL_ARGUMENT: NullArgumentError,
     Status.INVALID_ARGUMENT: InvalidArgumentError,
@@ -227,6 +236,7 @@ _ERROR_CLASSES = {
     Status.IO_ERROR: IoError,
     Status.PANIC: PanicError,
     Status.INTERNAL: InternalError,
+    Status.TIMEOUT: KvoTimeoutError,
 }
 
 

@@ -1,0 +1,72 @@
+"""Helpers and result types shared by the Python classes of kvoffload (stdlib only)."""
+
+import dataclasses
+import operator
+from typing import List, NamedTuple
+
+from ._ffi import Policy
+
+_MAX_U32 = 2**32 - 1
+_MAX_U64 = 2**64 - 1
+
+_POLICIES = {"lru": Policy.LRU, "arc": Policy.ARC}
+
+
+def _uint(name, value, maximum):
+    """``value`` as an int in ``0..=maximum``: TypeError for a non-integer (bool included; any
+    type with ``__index__``, such as numpy integers, is taken), ValueError out of range; both
+    name the argument."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+    if not 0 <= value <= maximum:
+        raise ValueError(f"{name}: {value} is not in 0..={maximum}")
+    return value
+
+
+def _policy(policy):
+    """A policy name ("lru", "arc") or number as an int; unknown numbers are left to the
+    library to refuse."""
+    if isinstance(policy, str):
+        try:
+            return _POLICIES[policy.lower()]
+        except KeyError:
+            raise ValueError(f"policy: {policy!r} is not one of {sorted(_POLICIES)}") from None
+    return _uint("policy", int(policy) if isinstance(policy, Policy) else policy, _MAX_U32)
+
+
+class Event(NamedTuple):
+    """One event of :meth:`Manager.take_events` / :meth:`Scheduler.take_events`: ``removed``
+    True for evicted keys, False for keys that became ready (stored)."""
+
+    removed: bool
+    keys: List[bytes]
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerStats:
+    """Counters and gauges of a manager (``kvo_manager_stats``)."""
+
+    capacity: int
+    used: int
+    ready: int
+    evictable: int
+    pinned: int
+    stores_in_flight: int
+    lookups: int
+    hits: int
+    stores_skipped: int
+    evictions: int
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def _from_c(cls, s):
+        return cls(**{f: getattr(s, f) for f in _STATS_FIELDS})
+
+
+_STATS_FIELDS = [f.name for f in dataclasses.fields(ManagerStats)]
