@@ -49,6 +49,21 @@
 #define KVO_STEP_FORMAT_VERSION 1
 
 /**
+ * The oldest driver (`cuDriverGetVersion`) with `cuMemcpyBatchAsync`.
+ */
+#define BATCH_MIN_DRIVER_VERSION 12080
+
+/**
+ * Jobs of at least this many bytes are split across the configured threads.
+ */
+#define SPLIT_BYTES (4 << 20)
+
+/**
+ * Alignment required of tensor bases and strides.
+ */
+#define ALIGN 8
+
+/**
  * The result of every fallible C function. `KVO_STATUS_OK` is 0; details of any other value
  * are in `kvo_last_error_message`.
  */
@@ -974,8 +989,9 @@ kvo_status kvo_scheduler_match(struct kvo_scheduler *s,
  * id to `*out_has_job` / `*out_job_id`, or 0 (and leaves `*out_job_id`) without a load.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
- * request or a key no longer stored; `KVO_STATUS_INVALID_STATE` if the request has jobs in
- * flight or is finished, or a key's store is in flight; `KVO_STATUS_INVALID_ARGUMENT` if the
+ * request or a key no longer stored; `KVO_STATUS_INVALID_STATE` if the request is finished, or,
+ * with `num_external_tokens > 0`, has jobs in flight, or its last match was not a HIT of at least
+ * that many tokens, or a key's store is in flight; `KVO_STATUS_INVALID_ARGUMENT` if the
  * tokens exceed its offloaded chunks or `block_ids` is shorter than the tokens need. On failure
  * nothing changes.
  *

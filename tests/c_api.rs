@@ -117,7 +117,10 @@ fn build_and_run(source: &str) -> String {
     } else {
         Command::new(&exe)
     };
+    // Cargo puts target/<profile> on LD_LIBRARY_PATH, which beats the binary's RUNPATH: load the
+    // library this test linked, not a stale copy from an earlier `cargo build`.
     let out = run
+        .env("LD_LIBRARY_PATH", &lib)
         .output()
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", exe.display()));
     assert!(
@@ -161,4 +164,16 @@ fn manager_api_from_c() {
 fn manager_api_from_cxx() {
     let out = build_and_run("manager.cpp");
     assert_all_passed("manager.cpp", &out);
+}
+
+#[test]
+fn scheduler_api_from_c() {
+    let out = build_and_run("scheduler.c");
+    assert_all_passed("scheduler.c", &out);
+}
+
+#[test]
+fn scheduler_api_from_cxx() {
+    let out = build_and_run("scheduler.cpp");
+    assert_all_passed("scheduler.cpp", &out);
 }

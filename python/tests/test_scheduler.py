@@ -583,13 +583,11 @@ class BadInputTest(Harness):
         with self.assertRaises(InvalidArgumentError) as cm:
             s.build_step([sched(1, 0, 12, 12, blocks(0, 3))] * 2)
         self.assertIn("twice", cm.exception.message)
-        # on_alloc beyond the offloaded chunks, with too few blocks, or for a chunk not stored.
+        # on_alloc with tokens to load needs a HIT of that many tokens in the last match.
         self.matched(1, 0)
-        with self.assertRaises(InvalidArgumentError) as cm:
-            s.on_alloc(1, blocks(0, 3), 24)
-        self.assertIn("num_external_tokens", cm.exception.message)
-        with self.assertRaises(NotFoundError):
+        with self.assertRaises(InvalidStateError) as cm:
             s.on_alloc(1, blocks(0, 3), 12)
+        self.assertIn("num_external_tokens", cm.exception.message)
         s.finish_request(1)
         with self.assertRaises(NotFoundError):
             s.finish_request(1)

@@ -214,21 +214,17 @@ pub unsafe extern "C" fn kvo_step_get_job_blocks(
                 ))
             })?;
             let (src, dst) = (s.src(j), s.dst(j));
-            for (name, cap, need) in [
-                ("src_cap", src_cap, src.len()),
-                ("dst_cap", dst_cap, dst.len()),
-            ] {
+            for (name, cap, need) in [("src_cap", src_cap, src.len()), ("dst_cap", dst_cap, dst.len())] {
                 if cap < need {
-                    return Err(Failure::new(
-                        kvo_status::BufferTooSmall,
-                        format!("{name}: {cap}, {need} needed"),
-                    ));
+                    return Err(Failure::new(kvo_status::BufferTooSmall, format!("{name}: {cap}, {need} needed")));
                 }
             }
             // SAFETY: forwarded from the caller.
-            unsafe { slice_mut(out_src, src.len(), "out_src") }?.copy_from_slice(src);
+            let out_s = unsafe { slice_mut(out_src, src.len(), "out_src") }?;
             // SAFETY: forwarded from the caller.
-            unsafe { slice_mut(out_dst, dst.len(), "out_dst") }?.copy_from_slice(dst);
+            let out_d = unsafe { slice_mut(out_dst, dst.len(), "out_dst") }?;
+            out_s.copy_from_slice(src);
+            out_d.copy_from_slice(dst);
             Ok(())
         })?
     })
@@ -256,8 +252,8 @@ pub unsafe extern "C" fn kvo_step_get_flush(
         non_null(out_n, "out_n")?;
         h.with_step(|s| {
             let ids = s.flush();
-            write(out_n, ids.len());
             if cap < ids.len() {
+                write(out_n, ids.len());
                 return Err(Failure::new(
                     kvo_status::BufferTooSmall,
                     format!("cap: {cap}, {} needed", ids.len()),
@@ -265,6 +261,7 @@ pub unsafe extern "C" fn kvo_step_get_flush(
             }
             // SAFETY: forwarded from the caller.
             unsafe { slice_mut(out_ids, ids.len(), "out_ids") }?.copy_from_slice(ids);
+            write(out_n, ids.len());
             Ok(())
         })?
     })
@@ -293,8 +290,8 @@ pub unsafe extern "C" fn kvo_step_encode(
         let mut st = h.get()?;
         let StepState { step, encoded } = &mut *st;
         step.encode(encoded);
-        write(out_len, encoded.len());
         if cap < encoded.len() {
+            write(out_len, encoded.len());
             return Err(Failure::new(
                 kvo_status::BufferTooSmall,
                 format!("cap: {cap}, {} needed", encoded.len()),
@@ -302,6 +299,7 @@ pub unsafe extern "C" fn kvo_step_encode(
         }
         // SAFETY: forwarded from the caller.
         unsafe { slice_mut(buf, encoded.len(), "buf") }?.copy_from_slice(encoded);
+        write(out_len, encoded.len());
         Ok(())
     })
 }

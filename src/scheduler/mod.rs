@@ -333,6 +333,7 @@ impl Scheduler {
         let r = self.requests.get_mut(&id).expect("checked");
         r.block_ids.clear();
         r.recompute = None;
+        r.matched_hit = None;
         if in_flight {
             self.stats.deferred_jobs_in_flight += 1;
             return Ok(Match::Defer(DeferReason::JobsInFlight));
@@ -344,6 +345,7 @@ impl Scheduler {
             Match::Defer(DeferReason::StoreInFlight) => self.stats.deferred_store_in_flight += 1,
             Match::Defer(_) => self.stats.deferred_being_loaded += 1,
             Match::Hit(n) => {
+                r.matched_hit = Some(n);
                 self.stats.hits += 1;
                 self.stats.hit_tokens += n;
             }
@@ -357,8 +359,9 @@ impl Scheduler {
     /// the job for the next step. `block_ids` are all the request's GPU blocks. Returns the job
     /// id, or `None` when there is nothing to load.
     ///
-    /// Fails, changing nothing: [`Error::InvalidState`] if the request has jobs in flight or is
-    /// finished; [`Error::InvalidArgument`] if the tokens exceed the offloaded chunks or
+    /// Fails, changing nothing: [`Error::InvalidState`] if the request is finished, or (with
+    /// `num_external_tokens > 0`) has jobs in flight or its last match was not a hit of at least
+    /// that many tokens; [`Error::InvalidArgument`] if the tokens exceed the offloaded chunks or
     /// `block_ids` is shorter than the tokens need; [`Error::NotFound`] /
     /// [`Error::InvalidState`] from the tier if a key is no longer ready.
     pub fn on_alloc(
@@ -381,6 +384,12 @@ impl Scheduler {
         if !r.jobs.is_empty() {
             return Err(Error::InvalidState(format!(
                 "request_id: {id} has jobs in flight; match defers it until they complete"
+            )));
+        }
+        if r.matched_hit.is_none_or(|hit| num_external_tokens > hit) {
+            return Err(Error::InvalidState(format!(
+                "num_external_tokens: {num_external_tokens} for request {id}, whose last match was not a hit of that many tokens ({:?})",
+                r.matched_hit
             )));
         }
         let local = r.num_local_computed;
@@ -434,6 +443,7 @@ impl Scheduler {
         let r = self.requests.get_mut(&id).expect("checked");
         r.jobs.push(job_id);
         r.next_stored_chunk = num_chunks;
+        r.matched_hit = None;
         self.allocated.extend_from_slice(block_ids);
         self.stats.load_jobs += 1;
         Ok(Some(job_id))
@@ -593,11 +603,11 @@ impl Scheduler {
     pub fn complete_jobs(&mut self, reports: &[JobReport]) -> Result<()> {
         self.scratch_counts.clear();
         for (i, rep) in reports.iter().enumerate() {
-            if rep.job_id < self.stale_below {
-                continue;
-            }
             if rep.count == 0 {
                 return Err(invalid!("reports[{i}].count: 0"));
+            }
+            if rep.job_id < self.stale_below {
+                continue;
             }
             let Some(job) = self.jobs.get(&rep.job_id) else {
                 return Err(Error::NotFound(format!(

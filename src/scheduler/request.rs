@@ -21,6 +21,8 @@ pub(crate) struct Request {
     pub jobs: Vec<u64>,
     /// Finished or aborted; dropped once its last job completes.
     pub finished: bool,
+    /// The hit of the last match, until `on_alloc` consumes it.
+    pub matched_hit: Option<u64>,
     /// Tokens to recompute after a failed load: `[from, to)`; reported until the next match.
     pub recompute: Option<(u64, u64)>,
 }
