@@ -54,6 +54,11 @@ impl Failure {
     pub(crate) fn invalid(message: impl Into<String>) -> Self {
         Self::new(kvo_status::InvalidArgument, message)
     }
+
+    /// The same failure with `prefix` before its message (to name a field of an array element).
+    pub(crate) fn prefixed(self, prefix: &str) -> Self {
+        Self { status: self.status, message: format!("{prefix}{}", self.message) }
+    }
 }
 
 impl From<Error> for Failure {

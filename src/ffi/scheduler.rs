@@ -391,8 +391,9 @@ pub unsafe extern "C" fn kvo_scheduler_match(
 /// id to `*out_has_job` / `*out_job_id`, or 0 (and leaves `*out_job_id`) without a load.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
-/// request or a key no longer stored; `KVO_STATUS_INVALID_STATE` if the request has jobs in
-/// flight or is finished, or a key's store is in flight; `KVO_STATUS_INVALID_ARGUMENT` if the
+/// request or a key no longer stored; `KVO_STATUS_INVALID_STATE` if the request is finished, or,
+/// with `num_external_tokens > 0`, has jobs in flight, or its last match was not a HIT of at least
+/// that many tokens, or a key's store is in flight; `KVO_STATUS_INVALID_ARGUMENT` if the
 /// tokens exceed its offloaded chunks or `block_ids` is shorter than the tokens need. On failure
 /// nothing changes.
 ///
@@ -461,13 +462,8 @@ pub unsafe extern "C" fn kvo_scheduler_build_step(
         let mut list = Vec::with_capacity(reqs.len());
         for (i, r) in reqs.iter().enumerate() {
             // SAFETY: forwarded from the caller.
-            let ids = unsafe {
-                slice(
-                    r.new_block_ids,
-                    r.n_new_block_ids,
-                    &format!("scheduled[{i}].new_block_ids"),
-                )
-            }?;
+            let ids = unsafe { slice(r.new_block_ids, r.n_new_block_ids, "new_block_ids") }
+                .map_err(|f| f.prefixed(&format!("scheduled[{i}].")))?;
             list.push(ScheduledRequest {
                 request_id: r.request_id,
                 num_computed_tokens: r.num_computed_tokens,

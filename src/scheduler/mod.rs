@@ -170,6 +170,9 @@ pub struct Scheduler {
     scratch_blocks: Vec<u32>,
     scratch_keys: Vec<u8>,
     scratch_counts: HashMap<u64, u32>,
+    /// Buffers of completed jobs, reused by new ones (no allocation per job once warm).
+    spare_keys: Vec<Vec<u8>>,
+    spare_blocks: Vec<Vec<u32>>,
 }
 
 impl Scheduler {
@@ -220,6 +223,8 @@ impl Scheduler {
             scratch_blocks: Vec::new(),
             scratch_keys: Vec::new(),
             scratch_counts: HashMap::new(),
+            spare_keys: Vec::new(),
+            spare_blocks: Vec::new(),
         })
     }
 
@@ -435,7 +440,7 @@ impl Scheduler {
             kind: JobKind::Load,
             pending: self.cfg.num_workers,
             failed: false,
-            keys: keys.to_vec(),
+            keys: take_filled(&mut self.spare_keys, keys),
             gpu_blocks: Vec::new(),
             tokens: (local_gpu * gbs, total),
         };
@@ -463,14 +468,15 @@ impl Scheduler {
         step: &mut Step,
     ) -> Result<()> {
         let gbs = self.cfg.gpu_block_size as u64;
+        self.scratch_counts.clear();
         for (i, s) in scheduled.iter().enumerate() {
-            let r = self.live_request(s.request_id)?;
-            if scheduled[..i].iter().any(|o| o.request_id == s.request_id) {
+            if self.scratch_counts.insert(s.request_id, 0).is_some() {
                 return Err(invalid!(
                     "scheduled[{i}].request_id: {} is scheduled twice",
                     s.request_id
                 ));
             }
+            let r = self.live_request(s.request_id)?;
             let after = s
                 .num_computed_tokens
                 .checked_add(s.num_scheduled_tokens)
@@ -585,8 +591,8 @@ impl Scheduler {
             kind: JobKind::Store,
             pending: self.cfg.num_workers,
             failed: false,
-            keys: self.scratch_keys.clone(),
-            gpu_blocks: self.scratch_blocks.clone(),
+            keys: take_filled(&mut self.spare_keys, &self.scratch_keys),
+            gpu_blocks: take_filled(&mut self.spare_blocks, &self.scratch_blocks),
             tokens: (0, 0),
         };
         self.jobs.insert(job_id, job);
@@ -673,6 +679,8 @@ impl Scheduler {
         if r.finished && r.jobs.is_empty() {
             self.requests.remove(&job.request_id);
         }
+        recycle(&mut self.spare_keys, job.keys);
+        recycle(&mut self.spare_blocks, job.gpu_blocks);
         Ok(())
     }
 
@@ -833,6 +841,21 @@ impl Scheduler {
     }
 }
 
+/// A spare buffer (or a new one) holding a copy of `data`.
+fn take_filled<T: Copy>(spare: &mut Vec<Vec<T>>, data: &[T]) -> Vec<T> {
+    let mut v = spare.pop().unwrap_or_default();
+    v.clear();
+    v.extend_from_slice(data);
+    v
+}
+
+/// Keeps a finished job's buffer for reuse (a bounded number of them).
+fn recycle<T>(spare: &mut Vec<Vec<T>>, v: Vec<T>) {
+    if spare.len() < 4096 && v.capacity() > 0 {
+        spare.push(v);
+    }
+}
+
 /// The single-group lookup of reference §4.2.1: the ready chunks after the GPU hit `c` tokens.
 fn lookup(m: &mut Manager, r: &Request, c: u64, obs: u64, kl: usize) -> Result<Match> {
     let nk = r.num_keys(kl);
@@ -852,10 +875,12 @@ fn lookup(m: &mut Manager, r: &Request, c: u64, obs: u64, kl: usize) -> Result<M
     if hit < obs {
         return Ok(Match::Miss);
     }
-    let being_loaded = (c / obs..(c + hit).div_ceil(obs)).any(|ch| {
-        m.ref_count(r.keys_of(kl, ch, ch + 1))
-            .is_some_and(|rc| rc > 0)
-    });
+    // Only loads pin keys: with none in flight nothing can be being loaded.
+    let being_loaded = m.stats().pinned > 0
+        && (c / obs..(c + hit).div_ceil(obs)).any(|ch| {
+            m.ref_count(r.keys_of(kl, ch, ch + 1))
+                .is_some_and(|rc| rc > 0)
+        });
     Ok(if being_loaded {
         Match::Defer(DeferReason::BeingLoaded)
     } else {

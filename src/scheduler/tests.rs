@@ -642,7 +642,9 @@ fn bad_inputs_change_nothing() {
     );
     // A load needs a hit of at least that many tokens in the request's last match.
     t.matched(1, 0);
-    assert!(matches!(t.s.on_alloc(1, &b, 12), Err(Error::InvalidState(m)) if m.contains("last match")));
+    assert!(
+        matches!(t.s.on_alloc(1, &b, 12), Err(Error::InvalidState(m)) if m.contains("last match"))
+    );
     assert!(matches!(t.s.finish_request(5), Err(Error::NotFound(_))));
     assert_eq!(t.s.stats().load_jobs, 0);
     t.check();
@@ -679,11 +681,22 @@ fn on_alloc_checks_the_hit_it_loads() {
     t.complete(&[s], true);
     t.add(2, 3, 24);
     assert_eq!(t.matched(2, 0), Match::Hit(24));
-    assert!(matches!(t.s.on_alloc(2, &blocks(10, 15), 24), Err(Error::InvalidArgument(m)) if m.contains("block_ids")));
-    assert!(matches!(t.s.on_alloc(2, &blocks(10, 16), 36), Err(Error::InvalidState(_))), "more than the hit");
+    assert!(
+        matches!(t.s.on_alloc(2, &blocks(10, 15), 24), Err(Error::InvalidArgument(m)) if m.contains("block_ids"))
+    );
+    assert!(
+        matches!(
+            t.s.on_alloc(2, &blocks(10, 16), 36),
+            Err(Error::InvalidState(_))
+        ),
+        "more than the hit"
+    );
     // The hit's chunks were evicted between match and on_alloc: not found, nothing pinned.
     t.s.manager.reset();
-    assert!(matches!(t.s.on_alloc(2, &blocks(10, 16), 24), Err(Error::NotFound(_))));
+    assert!(matches!(
+        t.s.on_alloc(2, &blocks(10, 16), 24),
+        Err(Error::NotFound(_))
+    ));
     assert_eq!(t.s.stats().manager.pinned, 0);
     // A stale hit is not reused: a deferred match in between forgets it.
     t.s.reset().unwrap();
@@ -691,7 +704,10 @@ fn on_alloc_checks_the_hit_it_loads() {
     let s = t.step(&[sched(1, 0, 24, 24, &b)], &[]).jobs()[0].id;
     assert_eq!(t.matched(2, 0), Match::Defer(DeferReason::StoreInFlight));
     t.complete(&[s], true);
-    assert!(matches!(t.s.on_alloc(2, &blocks(10, 16), 24), Err(Error::InvalidState(_))));
+    assert!(matches!(
+        t.s.on_alloc(2, &blocks(10, 16), 24),
+        Err(Error::InvalidState(_))
+    ));
     assert_eq!(t.matched(2, 0), Match::Hit(24));
     assert!(t.s.on_alloc(2, &blocks(10, 16), 24).unwrap().is_some());
 }
