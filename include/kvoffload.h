@@ -49,21 +49,6 @@
 #define KVO_STEP_FORMAT_VERSION 1
 
 /**
- * The oldest driver (`cuDriverGetVersion`) with `cuMemcpyBatchAsync`.
- */
-#define BATCH_MIN_DRIVER_VERSION 12080
-
-/**
- * Jobs of at least this many bytes are split across the configured threads.
- */
-#define SPLIT_BYTES (4 << 20)
-
-/**
- * Alignment required of tensor bases and strides.
- */
-#define ALIGN 8
-
-/**
  * The result of every fallible C function. `KVO_STATUS_OK` is 0; details of any other value
  * are in `kvo_last_error_message`.
  */
@@ -279,6 +264,31 @@ typedef uint32_t kvo_job_kind;
 #endif // __cplusplus
 
 /**
+ * Copy engines (`kvo_worker_config.backend`).
+ */
+enum kvo_backend
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * memcpy on host threads; every tensor in host memory.
+   */
+  KVO_BACKEND_HOST = 0,
+  /**
+   * The CUDA driver (loaded at run time).
+   */
+  KVO_BACKEND_CUDA = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvo_backend kvo_backend;
+#else
+typedef uint32_t kvo_backend;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * An offload tier index: keys, host slots, eviction. Opaque.
  */
 typedef struct kvo_manager kvo_manager;
@@ -292,6 +302,11 @@ typedef struct kvo_scheduler kvo_scheduler;
  * A step plan: filled by `kvo_scheduler_build_step` or `kvo_step_decode`. Opaque.
  */
 typedef struct kvo_step kvo_step;
+
+/**
+ * Block copies between registered KV tensors and the host tier. Opaque.
+ */
+typedef struct kvo_worker kvo_worker;
 
 /**
  * Configuration of a manager. Fill it with `kvo_manager_config_default`, then change fields.
@@ -656,6 +671,108 @@ typedef struct kvo_job_info {
   size_t n_dst;
 } kvo_job_info;
 
+/**
+ * Configuration of a worker. Fill it with `kvo_worker_config_default`, then change fields.
+ */
+typedef struct kvo_worker_config {
+  /**
+   * `sizeof(kvo_worker_config)`, set by `kvo_worker_config_default`.
+   */
+  size_t struct_size;
+  /**
+   * GPU blocks per host slot, as the scheduler's (default 1).
+   */
+  uint32_t block_size_factor;
+  /**
+   * Host slots, as the scheduler's (default 0: must be set).
+   */
+  uint32_t num_host_slots;
+  /**
+   * Threads the host backend may use for one large job (default 4).
+   */
+  uint32_t threads;
+  /**
+   * A `kvo_backend` value (default `KVO_BACKEND_HOST`).
+   */
+  uint32_t backend;
+  /**
+   * CUDA device ordinal (default 0).
+   */
+  int32_t device;
+  /**
+   * Zero.
+   */
+  uint32_t reserved;
+} kvo_worker_config;
+
+/**
+ * One registered KV tensor: `num_blocks` pages of `page_size` bytes, `block_stride` bytes apart
+ * from `base` (device or host address). The memory must stay valid until `kvo_worker_free`.
+ */
+typedef struct kvo_kv_tensor {
+  /**
+   * Address of block 0 (a multiple of 8).
+   */
+  uint64_t base;
+  /**
+   * Bytes between blocks (a multiple of 8, >= `page_size`).
+   */
+  uint64_t block_stride;
+  /**
+   * Bytes copied per block.
+   */
+  uint64_t page_size;
+  /**
+   * Blocks.
+   */
+  uint32_t num_blocks;
+  /**
+   * Non-zero for device memory.
+   */
+  uint32_t on_device;
+} kvo_kv_tensor;
+
+/**
+ * Caller memory for one tensor's host tier: at least `num_host_slots * page_size *
+ * block_size_factor` bytes, valid until `kvo_worker_free`.
+ */
+typedef struct kvo_host_buffer {
+  /**
+   * Start.
+   */
+  void *ptr;
+  /**
+   * Bytes.
+   */
+  size_t len;
+} kvo_host_buffer;
+
+/**
+ * A finished job (see `kvo_worker_poll`).
+ */
+typedef struct kvo_completion {
+  /**
+   * The job.
+   */
+  uint64_t job_id;
+  /**
+   * Bytes the job copies (0 if it failed before copying).
+   */
+  uint64_t bytes;
+  /**
+   * Seconds the copies took.
+   */
+  double seconds;
+  /**
+   * 1 on success; 0 if it failed (`kvo_worker_job_error` says why).
+   */
+  uint32_t success;
+  /**
+   * Zero.
+   */
+  uint32_t reserved;
+} kvo_completion;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -991,7 +1108,8 @@ kvo_status kvo_scheduler_match(struct kvo_scheduler *s,
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
  * request or a key no longer stored; `KVO_STATUS_INVALID_STATE` if the request is finished, or,
  * with `num_external_tokens > 0`, has jobs in flight, or its last match was not a HIT of at least
- * that many tokens, or a key's store is in flight; `KVO_STATUS_INVALID_ARGUMENT` if the
+ * that many tokens, or another request's load pinned the hit since (match again), or a key's
+ * store is in flight; `KVO_STATUS_INVALID_ARGUMENT` if the
  * tokens exceed its offloaded chunks or `block_ids` is shorter than the tokens need. On failure
  * nothing changes.
  *
@@ -1234,6 +1352,190 @@ kvo_status kvo_step_encode(const struct kvo_step *step,
  * `step` is NULL or live; `bytes` NULL or `len` readable bytes.
  */
 KVO_NODISCARD kvo_status kvo_step_decode(struct kvo_step *step, const uint8_t *bytes, size_t len);
+
+/**
+ * 1 when a CUDA driver and device are usable, else 0. Never fails, never aborts.
+ */
+int32_t kvo_cuda_available(void);
+
+/**
+ * Fills `out` with the defaults and `struct_size = sizeof(kvo_worker_config)`.
+ *
+ * Returns `KVO_STATUS_OK` or `KVO_STATUS_NULL_ARGUMENT`.
+ *
+ * # Safety
+ * `out` is NULL or writable.
+ */
+KVO_NODISCARD kvo_status kvo_worker_config_default(struct kvo_worker_config *out);
+
+/**
+ * Creates a worker over `n_tensors` KV tensors. `host_buffers` is NULL (the worker allocates
+ * page-aligned host tier buffers, page-locked with CUDA) or `n_tensors` caller buffers.
+ * On success writes the handle to `*out`, freed with `kvo_worker_free`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for a bad
+ * config (struct_size, zero factor or slots, unknown backend), an empty, overlapping, misaligned
+ * or zero-sized registration, device tensors with the host backend, or a host buffer too small;
+ * `KVO_STATUS_CUDA_UNAVAILABLE` / `KVO_STATUS_CUDA_ERROR` for the CUDA backend without a
+ * usable driver or device; `KVO_STATUS_IO_ERROR` if memory or threads cannot be had.
+ *
+ * # Safety
+ * `cfg` NULL or `cfg->struct_size` readable bytes; `tensors` NULL or `n_tensors` entries;
+ * `host_buffers` NULL or `n_tensors` entries; `out` NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_worker_new(const struct kvo_worker_config *cfg,
+                          const struct kvo_kv_tensor *tensors,
+                          size_t n_tensors,
+                          const struct kvo_host_buffer *host_buffers,
+                          struct kvo_worker **out);
+
+/**
+ * Finishes the jobs in flight (waiting up to a minute), releases the host tier and frees the
+ * worker. NULL is ignored. Must not race with other calls on the same handle.
+ *
+ * # Safety
+ * `w` is NULL or a handle from `kvo_worker_new` not freed yet.
+ */
+void kvo_worker_free(struct kvo_worker *w);
+
+/**
+ * Submits one job: `kind` a `kvo_job_kind`; `src`/`dst` block ids as in a step plan (load:
+ * host slots → KV blocks; store: KV blocks → host slots); `block_index` as in `kvo_job_info`;
+ * `compute_stream` a CUDA stream handle (0: none) that stores wait for. A job whose block ids do
+ * not fit the registration, or that the driver rejects, completes as failed at the next poll.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for an
+ * unknown kind; `KVO_STATUS_INVALID_STATE` if `job_id` is in flight or after shutdown.
+ *
+ * # Safety
+ * `w` NULL or live; `src`/`dst` NULL or `n_src`/`n_dst` readable entries.
+ */
+KVO_NODISCARD
+kvo_status kvo_worker_submit_job(struct kvo_worker *w,
+                                 uint64_t job_id,
+                                 uint32_t kind,
+                                 const uint32_t *src,
+                                 size_t n_src,
+                                 const uint32_t *dst,
+                                 size_t n_dst,
+                                 uint32_t block_index,
+                                 uint64_t compute_stream);
+
+/**
+ * Submits every job of a step plan (from `kvo_scheduler_build_step` or `kvo_step_decode`),
+ * loads first. `compute_stream` as for `kvo_worker_submit_job`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if the plan's
+ * block_size_factor differs from the worker's; `KVO_STATUS_INVALID_STATE` if a job id is in
+ * flight or after shutdown (then nothing is submitted).
+ *
+ * # Safety
+ * `w`, `step` NULL or live.
+ */
+KVO_NODISCARD
+kvo_status kvo_worker_submit_step(struct kvo_worker *w,
+                                  const struct kvo_step *step,
+                                  uint64_t compute_stream);
+
+/**
+ * Writes up to `cap` finished jobs to `out` (per direction in submission order) and their number
+ * to `*out_n`; the rest stay for the next call. Report them to the scheduler with
+ * `kvo_scheduler_complete_jobs`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_CUDA_ERROR` if the driver
+ * fails while querying.
+ *
+ * # Safety
+ * `w` NULL or live; `out` NULL or `cap` writable entries; `out_n` NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_worker_poll(struct kvo_worker *w,
+                           struct kvo_completion *out,
+                           size_t cap,
+                           size_t *out_n);
+
+/**
+ * Copies the message of a failed job handed out by `kvo_worker_poll` (the last 1024 are kept)
+ * into `buf` (NUL-terminated, truncated) and writes its full length to `*out_len`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` if no message is
+ * kept for `job_id`.
+ *
+ * # Safety
+ * `w` NULL or live; `buf` NULL or `len` writable bytes; `out_len` NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_worker_job_error(const struct kvo_worker *w,
+                                uint64_t job_id,
+                                char *buf,
+                                size_t len,
+                                size_t *out_len);
+
+/**
+ * Blocks until every listed job has finished (the flush before a forward pass), or
+ * `timeout_ms` passes. Completions remain to be polled.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an id never
+ * submitted or already polled; `KVO_STATUS_TIMEOUT`; `KVO_STATUS_CUDA_ERROR`.
+ *
+ * # Safety
+ * `w` NULL or live; `job_ids` NULL or `n` readable entries.
+ */
+KVO_NODISCARD
+kvo_status kvo_worker_wait(struct kvo_worker *w,
+                           const uint64_t *job_ids,
+                           size_t n,
+                           uint64_t timeout_ms);
+
+/**
+ * Copies block `src_blocks[i]` of tensor `src_tensor` to block `dst_blocks[i]` of tensor
+ * `dst_tensor` (indices into the registration; equal page sizes). With `as_job` non-zero the copy
+ * is queued as job `job_id` and reported by `kvo_worker_poll`; otherwise it runs now.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for tensor
+ * indices, block ids or page sizes that do not fit; `KVO_STATUS_INVALID_STATE` for a job id in
+ * flight or after shutdown; `KVO_STATUS_CUDA_ERROR`.
+ *
+ * # Safety
+ * `w` NULL or live; `src_blocks`, `dst_blocks` NULL or `n` readable entries.
+ */
+KVO_NODISCARD
+kvo_status kvo_worker_swap_blocks(struct kvo_worker *w,
+                                  uint32_t src_tensor,
+                                  uint32_t dst_tensor,
+                                  const uint32_t *src_blocks,
+                                  const uint32_t *dst_blocks,
+                                  size_t n,
+                                  uint32_t as_job,
+                                  uint64_t job_id);
+
+/**
+ * Writes the address and length of tensor `tensor`'s host tier buffer (owned by the worker
+ * unless the caller provided it; valid until `kvo_worker_free`).
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for an
+ * index out of range.
+ *
+ * # Safety
+ * `w` NULL or live; outputs NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_worker_get_host_buffer(const struct kvo_worker *w,
+                                      uint32_t tensor,
+                                      void **out_ptr,
+                                      size_t *out_len);
+
+/**
+ * Finishes every job in flight, then refuses new submissions (`KVO_STATUS_INVALID_STATE`).
+ * Completions stay pollable.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_CUDA_ERROR`.
+ *
+ * # Safety
+ * `w` NULL or live.
+ */
+KVO_NODISCARD kvo_status kvo_worker_shutdown(struct kvo_worker *w);
 
 #ifdef __cplusplus
 }  // extern "C"

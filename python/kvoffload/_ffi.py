@@ -25,6 +25,7 @@ __all__ = [
     "Match",
     "DeferReason",
     "JobKind",
+    "Backend",
     "KVO_NO_LIMIT",
     "KVO_STEP_FORMAT_VERSION",
     "KvoError",
@@ -118,6 +119,13 @@ class JobKind(enum.IntEnum):
     STORE = 1
 
 
+class Backend(enum.IntEnum):
+    """``enum kvo_backend``."""
+
+    HOST = 0
+    CUDA = 1
+
+
 #: ``KVO_NO_LIMIT``: no cap on a request's offloaded tokens.
 KVO_NO_LIMIT = 2**64 - 1
 #: ``KVO_STEP_FORMAT_VERSION``: version of the encoded step-plan format (as the header spells it).
@@ -131,6 +139,7 @@ ENUMS = (
     (Match, "KVO_MATCH_"),
     (DeferReason, "KVO_DEFER_REASON_"),
     (JobKind, "KVO_JOB_KIND_"),
+    (Backend, "KVO_BACKEND_"),
 )
 
 # Module-level names exactly as in the header (KVO_STATUS_OK, KVO_POLICY_LRU, KVO_LOOKUP_HIT...).
@@ -387,6 +396,49 @@ class kvo_job_info(ctypes.Structure):
     ]
 
 
+class _Worker(ctypes.Structure):
+    """``kvo_worker``: opaque; only ever used through ``POINTER(_Worker)``."""
+
+
+class kvo_worker_config(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("block_size_factor", c_uint32),
+        ("num_host_slots", c_uint32),
+        ("threads", c_uint32),
+        ("backend", c_uint32),
+        ("device", ctypes.c_int32),
+        ("reserved", c_uint32),
+    ]
+
+
+class kvo_kv_tensor(ctypes.Structure):
+    _fields_ = [
+        ("base", c_uint64),
+        ("block_stride", c_uint64),
+        ("page_size", c_uint64),
+        ("num_blocks", c_uint32),
+        ("on_device", c_uint32),
+    ]
+
+
+class kvo_host_buffer(ctypes.Structure):
+    _fields_ = [
+        ("ptr", ctypes.c_void_p),
+        ("len", c_size_t),
+    ]
+
+
+class kvo_completion(ctypes.Structure):
+    _fields_ = [
+        ("job_id", c_uint64),
+        ("bytes", c_uint64),
+        ("seconds", ctypes.c_double),
+        ("success", c_uint32),
+        ("reserved", c_uint32),
+    ]
+
+
 #: C struct name -> ctypes class (used by the drift test).
 STRUCTS = {
     "kvo_manager": _Manager,
@@ -402,6 +454,11 @@ STRUCTS = {
     "kvo_scheduler_stats": kvo_scheduler_stats,
     "kvo_step_info": kvo_step_info,
     "kvo_job_info": kvo_job_info,
+    "kvo_worker": _Worker,
+    "kvo_worker_config": kvo_worker_config,
+    "kvo_kv_tensor": kvo_kv_tensor,
+    "kvo_host_buffer": kvo_host_buffer,
+    "kvo_completion": kvo_completion,
 }
 
 # The C type aliases: kvo_status is int32_t; kvo_policy and kvo_lookup are uint32_t.
@@ -410,6 +467,7 @@ kvo_status = c_int32
 _ManagerP = POINTER(_Manager)
 _SchedP = POINTER(_Scheduler)
 _StepP = POINTER(_Step)
+_WorkerP = POINTER(_Worker)
 _u8p = POINTER(c_uint8)
 _u32p = POINTER(c_uint32)
 _u64p = POINTER(c_uint64)
@@ -499,6 +557,45 @@ FUNCTIONS = {
     "kvo_step_get_flush": (kvo_status, [_StepP, _u64p, c_size_t, _sizep], True),
     "kvo_step_encode": (kvo_status, [_StepP, _u8p, c_size_t, _sizep], True),
     "kvo_step_decode": (kvo_status, [_StepP, c_char_p, c_size_t], True),
+    # -- workers (block copies) ----------------------------------------------------------------
+    "kvo_cuda_available": (ctypes.c_int32, [], False),
+    "kvo_worker_config_default": (kvo_status, [POINTER(kvo_worker_config)], True),
+    "kvo_worker_new": (
+        kvo_status,
+        [
+            POINTER(kvo_worker_config),
+            POINTER(kvo_kv_tensor),
+            c_size_t,
+            POINTER(kvo_host_buffer),
+            POINTER(_WorkerP),
+        ],
+        True,
+    ),
+    "kvo_worker_free": (None, [_WorkerP], False),
+    "kvo_worker_submit_job": (
+        kvo_status,
+        [_WorkerP, c_uint64, c_uint32, _u32p, c_size_t, _u32p, c_size_t, c_uint32, c_uint64],
+        True,
+    ),
+    "kvo_worker_submit_step": (kvo_status, [_WorkerP, _StepP, c_uint64], True),
+    "kvo_worker_poll": (kvo_status, [_WorkerP, POINTER(kvo_completion), c_size_t, _sizep], True),
+    "kvo_worker_job_error": (
+        kvo_status,
+        [_WorkerP, c_uint64, POINTER(c_char), c_size_t, _sizep],
+        True,
+    ),
+    "kvo_worker_wait": (kvo_status, [_WorkerP, _u64p, c_size_t, c_uint64], True),
+    "kvo_worker_swap_blocks": (
+        kvo_status,
+        [_WorkerP, c_uint32, c_uint32, _u32p, _u32p, c_size_t, c_uint32, c_uint64],
+        True,
+    ),
+    "kvo_worker_get_host_buffer": (
+        kvo_status,
+        [_WorkerP, c_uint32, POINTER(ctypes.c_void_p), _sizep],
+        True,
+    ),
+    "kvo_worker_shutdown": (kvo_status, [_WorkerP], True),
 }
 
 # ---------------------------------------------------------------------------------------------

@@ -124,6 +124,8 @@ def c_type(t, typedefs):
             d = ("void",)
         elif w in _INT_TYPES:
             d = ("int",) + _INT_TYPES[w]
+        elif w in ("double", "float"):
+            d = ("float", 64 if w == "double" else 32)
         elif w.startswith("kvo_"):
             d = ("struct", w)
         else:
@@ -145,6 +147,10 @@ def py_type(t):
         return ("ptr", ("void",))
     if t is ctypes.c_char:
         return ("int", 8, None)
+    if t is ctypes.c_double:
+        return ("float", 64)
+    if t is ctypes.c_float:
+        return ("float", 32)
     if isinstance(t, type) and issubclass(t, ctypes._Pointer):
         return ("ptr", py_type(t._type_))
     if isinstance(t, type) and issubclass(t, ctypes.Structure):
@@ -169,6 +175,8 @@ def compatible(c, p):
         if c[2] is not None and p[2] is not None and c[2] != p[2]:
             return "signedness differs"
         return None
+    if c[0] == "float" and c[1] != p[1]:
+        return f"{c[1]}-bit float in the header, {p[1]}-bit in the wrapper"
     if c[0] == "struct" and c[1] != p[1]:
         return f"struct {c[1]} in the header, {p[1]} in the wrapper"
     return None

@@ -10,11 +10,13 @@ mod manager;
 mod scheduler;
 mod status;
 mod step;
+mod worker;
 
 pub use manager::*;
 pub use scheduler::*;
 pub use status::kvo_status;
 pub use step::*;
+pub use worker::*;
 
 use crate::error::Error;
 use std::cell::RefCell;
@@ -57,7 +59,10 @@ impl Failure {
 
     /// The same failure with `prefix` before its message (to name a field of an array element).
     pub(crate) fn prefixed(self, prefix: &str) -> Self {
-        Self { status: self.status, message: format!("{prefix}{}", self.message) }
+        Self {
+            status: self.status,
+            message: format!("{prefix}{}", self.message),
+        }
     }
 }
 

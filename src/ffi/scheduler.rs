@@ -393,7 +393,8 @@ pub unsafe extern "C" fn kvo_scheduler_match(
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
 /// request or a key no longer stored; `KVO_STATUS_INVALID_STATE` if the request is finished, or,
 /// with `num_external_tokens > 0`, has jobs in flight, or its last match was not a HIT of at least
-/// that many tokens, or a key's store is in flight; `KVO_STATUS_INVALID_ARGUMENT` if the
+/// that many tokens, or another request's load pinned the hit since (match again), or a key's
+/// store is in flight; `KVO_STATUS_INVALID_ARGUMENT` if the
 /// tokens exceed its offloaded chunks or `block_ids` is shorter than the tokens need. On failure
 /// nothing changes.
 ///

@@ -214,9 +214,15 @@ pub unsafe extern "C" fn kvo_step_get_job_blocks(
                 ))
             })?;
             let (src, dst) = (s.src(j), s.dst(j));
-            for (name, cap, need) in [("src_cap", src_cap, src.len()), ("dst_cap", dst_cap, dst.len())] {
+            for (name, cap, need) in [
+                ("src_cap", src_cap, src.len()),
+                ("dst_cap", dst_cap, dst.len()),
+            ] {
                 if cap < need {
-                    return Err(Failure::new(kvo_status::BufferTooSmall, format!("{name}: {cap}, {need} needed")));
+                    return Err(Failure::new(
+                        kvo_status::BufferTooSmall,
+                        format!("{name}: {cap}, {need} needed"),
+                    ));
                 }
             }
             // SAFETY: forwarded from the caller.

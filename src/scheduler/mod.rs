@@ -366,7 +366,8 @@ impl Scheduler {
     ///
     /// Fails, changing nothing: [`Error::InvalidState`] if the request is finished, or (with
     /// `num_external_tokens > 0`) has jobs in flight or its last match was not a hit of at least
-    /// that many tokens; [`Error::InvalidArgument`] if the tokens exceed the offloaded chunks or
+    /// that many tokens, or another request's load pinned the hit since (match again);
+    /// [`Error::InvalidArgument`] if the tokens exceed the offloaded chunks or
     /// `block_ids` is shorter than the tokens need; [`Error::NotFound`] /
     /// [`Error::InvalidState`] from the tier if a key is no longer ready.
     pub fn on_alloc(
@@ -422,6 +423,17 @@ impl Scheduler {
             local_gpu / self.cfg.block_size_factor as u64,
             num_chunks,
         );
+        // Another request's load may have pinned these chunks since the match: loading them
+        // twice is what `Defer(BeingLoaded)` prevents, so the host must match again.
+        if self.manager.stats().pinned > 0
+            && keys
+                .chunks_exact(kl)
+                .any(|k| self.manager.ref_count(k).is_some_and(|rc| rc > 0))
+        {
+            return Err(Error::InvalidState(format!(
+                "request_id: {id}: its hit is being loaded by another request; match it again"
+            )));
+        }
         self.scratch_slots.resize(keys.len() / kl, 0);
         self.manager.prepare_load(keys, &mut self.scratch_slots)?;
         let job_id = self.next_job_id;

@@ -53,7 +53,13 @@ pub trait Backend: Send {
     /// Queues a job. `descs` is read during the call only. `compute_stream` is the host's stream
     /// (CUDA `CUstream` as an integer, 0 for none): stores must not start before the work already
     /// queued on it. An error means the job was not queued (and will not complete).
-    fn submit(&mut self, job_id: u64, dir: Direction, descs: &[CopyDesc], compute_stream: u64) -> Result<()>;
+    fn submit(
+        &mut self,
+        job_id: u64,
+        dir: Direction,
+        descs: &[CopyDesc],
+        compute_stream: u64,
+    ) -> Result<()>;
 
     /// Appends the jobs finished since the last call, in submission order per direction.
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()>;

@@ -54,16 +54,25 @@ impl HostBackend {
     pub fn new(threads: usize) -> Result<Self> {
         let threads = threads.max(1);
         let lane = |name: &str| -> Result<Lane> {
-            let shared = Arc::new(Shared { state: Mutex::new(LaneState::default()), cv: Condvar::new() });
+            let shared = Arc::new(Shared {
+                state: Mutex::new(LaneState::default()),
+                cv: Condvar::new(),
+            });
             let (tx, rx) = channel();
             let s = shared.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("kvo-{name}"))
                 .spawn(move || run_lane(rx, s, threads))
                 .map_err(|e| Error::Io(format!("spawning the {name} copy thread: {e}")))?;
-            Ok(Lane { tx: Some(tx), shared, thread: Some(thread) })
+            Ok(Lane {
+                tx: Some(tx),
+                shared,
+                thread: Some(thread),
+            })
         };
-        Ok(Self { lanes: [lane("load")?, lane("store")?] })
+        Ok(Self {
+            lanes: [lane("load")?, lane("store")?],
+        })
     }
 
     fn lane(&self, dir: Direction) -> &Lane {
@@ -83,7 +92,13 @@ fn run_lane(rx: Receiver<Task>, shared: Arc<Shared>, threads: usize) {
         let seconds = start.elapsed().as_secs_f64();
         let mut st = shared.lock();
         st.in_flight.remove(&task.job_id);
-        st.done.push_back(Completion { job_id: task.job_id, success: true, bytes, seconds, error: None });
+        st.done.push_back(Completion {
+            job_id: task.job_id,
+            success: true,
+            bytes,
+            seconds,
+            error: None,
+        });
         let mut descs = task.descs;
         descs.clear();
         st.spare.push(descs);
@@ -110,8 +125,16 @@ fn copy_split(descs: &[CopyDesc], bytes: u64, threads: usize) {
         let mut d = *d;
         while d.size > 0 {
             let take = d.size.min(room);
-            parts[part].push(CopyDesc { src: d.src, dst: d.dst, size: take });
-            d = CopyDesc { src: d.src + take, dst: d.dst + take, size: d.size - take };
+            parts[part].push(CopyDesc {
+                src: d.src,
+                dst: d.dst,
+                size: take,
+            });
+            d = CopyDesc {
+                src: d.src + take,
+                dst: d.dst + take,
+                size: d.size - take,
+            };
             room -= take;
             if room == 0 && part + 1 < threads {
                 part += 1;
@@ -137,14 +160,23 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    fn submit(&mut self, job_id: u64, dir: Direction, descs: &[CopyDesc], _compute_stream: u64) -> Result<()> {
+    fn submit(
+        &mut self,
+        job_id: u64,
+        dir: Direction,
+        descs: &[CopyDesc],
+        _compute_stream: u64,
+    ) -> Result<()> {
         let lane = self.lane(dir);
         let mut st = lane.shared.lock();
         let mut v = st.spare.pop().unwrap_or_default();
         v.extend_from_slice(descs);
         st.in_flight.insert(job_id);
         drop(st);
-        let tx = lane.tx.as_ref().ok_or_else(|| Error::InvalidState("worker is shut down".into()))?;
+        let tx = lane
+            .tx
+            .as_ref()
+            .ok_or_else(|| Error::InvalidState("worker is shut down".into()))?;
         tx.send(Task { job_id, descs: v }).map_err(|_| {
             lane.shared.lock().in_flight.remove(&job_id);
             Error::Internal("host copy thread is gone".into())
@@ -163,11 +195,20 @@ impl Backend for HostBackend {
         for lane in &self.lanes {
             let mut st = lane.shared.lock();
             while job_ids.iter().any(|id| st.in_flight.contains(id)) {
-                let left = deadline.map_or(Duration::from_secs(3600), |d| d.saturating_duration_since(Instant::now()));
+                let left = deadline.map_or(Duration::from_secs(3600), |d| {
+                    d.saturating_duration_since(Instant::now())
+                });
                 if left.is_zero() {
-                    return Err(Error::Timeout(format!("jobs still copying after {timeout:?}")));
+                    return Err(Error::Timeout(format!(
+                        "jobs still copying after {timeout:?}"
+                    )));
                 }
-                st = lane.shared.cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
+                st = lane
+                    .shared
+                    .cv
+                    .wait_timeout(st, left)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
             }
         }
         Ok(())

@@ -51,10 +51,18 @@ pub fn validate(tensors: &[KvTensor]) -> Result<()> {
             return Err(invalid!("tensors[{i}].base: NULL"));
         }
         if t.num_blocks == 0 || t.page_size == 0 {
-            return Err(invalid!("tensors[{i}]: {} blocks of {} bytes", t.num_blocks, t.page_size));
+            return Err(invalid!(
+                "tensors[{i}]: {} blocks of {} bytes",
+                t.num_blocks,
+                t.page_size
+            ));
         }
         if t.block_stride < t.page_size {
-            return Err(invalid!("tensors[{i}].block_stride: {} < page_size {}", t.block_stride, t.page_size));
+            return Err(invalid!(
+                "tensors[{i}].block_stride: {} < page_size {}",
+                t.block_stride,
+                t.page_size
+            ));
         }
         if t.base % ALIGN != 0 || t.block_stride % ALIGN != 0 {
             return Err(invalid!(
@@ -63,7 +71,9 @@ pub fn validate(tensors: &[KvTensor]) -> Result<()> {
                 t.block_stride
             ));
         }
-        let end = t.end().ok_or_else(|| invalid!("tensors[{i}]: extent overflows the address space"))?;
+        let end = t
+            .end()
+            .ok_or_else(|| invalid!("tensors[{i}]: extent overflows the address space"))?;
         for (j, o) in tensors[..i].iter().enumerate() {
             let o_end = o.end().expect("checked");
             if t.base < o_end && o.base < end {
@@ -101,17 +111,32 @@ impl HostBuffer {
             .and_then(|l| usize::try_from(l).ok())
             .filter(|&l| l > 0)
             .ok_or_else(|| invalid!("num_host_slots: {num_slots} slots of {slot_size} bytes"))?;
-        let layout = Layout::from_size_align(len, HOST_ALIGN).map_err(|e| invalid!("host buffer: {e}"))?;
+        let layout =
+            Layout::from_size_align(len, HOST_ALIGN).map_err(|e| invalid!("host buffer: {e}"))?;
         // SAFETY: non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
-            return Err(Error::OutOfMemory(format!("host tier buffer of {len} bytes")));
+            return Err(Error::OutOfMemory(format!(
+                "host tier buffer of {len} bytes"
+            )));
         }
-        Ok(Self { ptr, len, slot_size, page_size, owned: Some(layout) })
+        Ok(Self {
+            ptr,
+            len,
+            slot_size,
+            page_size,
+            owned: Some(layout),
+        })
     }
 
     /// The caller's memory: `len` bytes at `ptr`, at least `num_slots * page_size * factor`.
-    pub fn borrowed(ptr: *mut u8, len: usize, num_slots: u32, page_size: u64, factor: u32) -> Result<Self> {
+    pub fn borrowed(
+        ptr: *mut u8,
+        len: usize,
+        num_slots: u32,
+        page_size: u64,
+        factor: u32,
+    ) -> Result<Self> {
         let slot_size = page_size * factor as u64;
         let need = num_slots as u64 * slot_size;
         if ptr.is_null() {
@@ -120,7 +145,13 @@ impl HostBuffer {
         if (len as u64) < need {
             return Err(invalid!("host buffer: {len} bytes, {need} needed"));
         }
-        Ok(Self { ptr, len, slot_size, page_size, owned: None })
+        Ok(Self {
+            ptr,
+            len,
+            slot_size,
+            page_size,
+            owned: None,
+        })
     }
 
     /// Address of sub-block `j` of slot `s`.

@@ -44,7 +44,9 @@ pub fn plan_job(
     }
     let num_blocks = kv.iter().map(|t| t.num_blocks).min().unwrap_or(0);
     if let Some(b) = kv_ids.iter().find(|&&b| b >= num_blocks) {
-        return Err(invalid!("job: block id {b} outside the {num_blocks} registered blocks"));
+        return Err(invalid!(
+            "job: block id {b} outside the {num_blocks} registered blocks"
+        ));
     }
     if let Some(s) = slots.iter().find(|&&s| s >= num_slots) {
         return Err(invalid!("job: host slot {s} outside the {num_slots} slots"));
@@ -58,7 +60,14 @@ pub fn plan_job(
                 JobKind::Store => (t.block(b), slot_addr),
                 JobKind::Load => (slot_addr, t.block(b)),
             };
-            push_merged(out, CopyDesc { src, dst, size: t.page_size });
+            push_merged(
+                out,
+                CopyDesc {
+                    src,
+                    dst,
+                    size: t.page_size,
+                },
+            );
         }
         bytes += n as u64 * t.page_size;
     }

@@ -20,8 +20,13 @@ impl Mem {
         for (i, b) in bytes.iter_mut().enumerate() {
             *b = (i as u8).wrapping_mul(31) ^ tag;
         }
-        let tensor =
-            KvTensor { base: buf.as_ptr() as u64, num_blocks: blocks, block_stride: stride, page_size: page, on_device: false };
+        let tensor = KvTensor {
+            base: buf.as_ptr() as u64,
+            num_blocks: blocks,
+            block_stride: stride,
+            page_size: page,
+            on_device: false,
+        };
         Self { buf, tensor }
     }
 
@@ -55,7 +60,12 @@ fn host_sub_block(w: &Worker, t: usize, slot: u32, sub: u32, page: u64) -> Vec<u
 }
 
 fn worker(factor: u32, slots: u32, mems: &[&Mem]) -> Worker {
-    let cfg = WorkerConfig { block_size_factor: factor, num_host_slots: slots, threads: 2, backend: BackendKind::Host };
+    let cfg = WorkerConfig {
+        block_size_factor: factor,
+        num_host_slots: slots,
+        threads: 2,
+        backend: BackendKind::Host,
+    };
     let tensors: Vec<KvTensor> = mems.iter().map(|m| m.tensor).collect();
     Worker::new(cfg, &tensors, None).unwrap()
 }
@@ -71,7 +81,10 @@ fn drain(w: &mut Worker, ids: &[u64]) -> Vec<Completion> {
 struct Rng(u64);
 impl Rng {
     fn next(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (self.0 >> 33) % n
     }
 }
@@ -92,23 +105,43 @@ fn store_then_load_round_trips_byte_exact() {
             let slots_needed = (n + skip).div_ceil(factor);
             let slots: Vec<u32> = (0..slots_needed).map(|i| 15 - i).collect();
             let (a0, b0) = (a.snapshot(), b.snapshot());
-            let store = JobBlocks { kind: JobKind::Store, src: &gpu, dst: &slots, block_index: skip };
+            let store = JobBlocks {
+                kind: JobKind::Store,
+                src: &gpu,
+                dst: &slots,
+                block_index: skip,
+            };
             w.submit(1, &store, 0).unwrap();
             let done = drain(&mut w, &[1]);
             assert_eq!(done.len(), 1);
             assert!(done[0].success, "{:?}", done[0].error);
-            assert_eq!(done[0].bytes, n as u64 * (256 + 128), "bytes = blocks x sum of pages");
-            assert_eq!((a.snapshot(), b.snapshot()), (a0.clone(), b0.clone()), "sources unchanged");
+            assert_eq!(
+                done[0].bytes,
+                n as u64 * (256 + 128),
+                "bytes = blocks x sum of pages"
+            );
+            assert_eq!(
+                (a.snapshot(), b.snapshot()),
+                (a0.clone(), b0.clone()),
+                "sources unchanged"
+            );
             for (i, &g) in gpu.iter().enumerate() {
                 let k = skip + i as u32;
                 for (t, m) in [&a, &b].iter().enumerate() {
                     let page = m.tensor.page_size;
-                    assert_eq!(host_sub_block(&w, t, slots[(k / factor) as usize], k % factor, page), m.page(g));
+                    assert_eq!(
+                        host_sub_block(&w, t, slots[(k / factor) as usize], k % factor, page),
+                        m.page(g)
+                    );
                 }
             }
             // Skipped leading sub-blocks of the first slot stay zero.
             for j in 0..skip {
-                assert!(host_sub_block(&w, 0, slots[0], j, 256).iter().all(|&x| x == 0));
+                assert!(
+                    host_sub_block(&w, 0, slots[0], j, 256)
+                        .iter()
+                        .all(|&x| x == 0)
+                );
             }
             // Load back into other blocks of fresh tensors.
             let c = Mem::new(3, 40, 256, 256);
@@ -123,7 +156,12 @@ fn store_then_load_round_trips_byte_exact() {
                 unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
             }
             let targets: Vec<u32> = (0..n).map(|i| 39 - 2 * i).collect();
-            let load = JobBlocks { kind: JobKind::Load, src: &slots, dst: &targets, block_index: skip };
+            let load = JobBlocks {
+                kind: JobKind::Load,
+                src: &slots,
+                dst: &targets,
+                block_index: skip,
+            };
             w2.submit(2, &load, 0).unwrap();
             assert!(drain(&mut w2, &[2])[0].success);
             for (i, &g) in gpu.iter().enumerate() {
@@ -150,7 +188,12 @@ fn plans_merge_contiguous_runs() {
     let a = Mem::new(1, 16, 64, 64);
     let w = worker(2, 8, &[&a]);
     let mut out = Vec::new();
-    let job = JobBlocks { kind: JobKind::Store, src: &[4, 5, 6, 7, 9], dst: &[2, 3, 5], block_index: 0 };
+    let job = JobBlocks {
+        kind: JobKind::Store,
+        src: &[4, 5, 6, 7, 9],
+        dst: &[2, 3, 5],
+        block_index: 0,
+    };
     let bytes = w.plan(&job, &mut out).unwrap();
     assert_eq!(bytes, 5 * 64);
     // GPU 4..8 → slots 2, 3 (contiguous on both sides): one descriptor; GPU 9 → slot 5.
@@ -165,11 +208,19 @@ fn fifo_completion_per_direction_and_large_split_jobs() {
     let mut w = worker(1, 64, &[&a]);
     let all: Vec<u32> = (0..64).collect();
     for id in 0..6u64 {
-        let job = JobBlocks { kind: JobKind::Store, src: &all, dst: &all, block_index: 0 };
+        let job = JobBlocks {
+            kind: JobKind::Store,
+            src: &all,
+            dst: &all,
+            block_index: 0,
+        };
         w.submit(id, &job, 0).unwrap();
     }
     let done = drain(&mut w, &[0, 1, 2, 3, 4, 5]);
-    assert_eq!(done.iter().map(|c| c.job_id).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5]);
+    assert_eq!(
+        done.iter().map(|c| c.job_id).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3, 4, 5]
+    );
     assert!(done.iter().all(|c| c.success && c.bytes == 64 << 16));
     for b in [0u32, 31, 63] {
         assert_eq!(host_sub_block(&w, 0, b, 0, 1 << 16), a.page(b));
@@ -181,11 +232,50 @@ fn bad_jobs_fail_and_nothing_crashes() {
     let a = Mem::new(1, 8, 64, 64);
     let mut w = worker(1, 4, &[&a]);
     let before = a.snapshot();
-    w.submit(1, &JobBlocks { kind: JobKind::Store, src: &[8], dst: &[0], block_index: 0 }, 0).unwrap();
-    w.submit(2, &JobBlocks { kind: JobKind::Store, src: &[0], dst: &[4], block_index: 0 }, 0).unwrap();
-    w.submit(3, &JobBlocks { kind: JobKind::Load, src: &[0, 1], dst: &[0], block_index: 0 }, 0).unwrap();
+    w.submit(
+        1,
+        &JobBlocks {
+            kind: JobKind::Store,
+            src: &[8],
+            dst: &[0],
+            block_index: 0,
+        },
+        0,
+    )
+    .unwrap();
+    w.submit(
+        2,
+        &JobBlocks {
+            kind: JobKind::Store,
+            src: &[0],
+            dst: &[4],
+            block_index: 0,
+        },
+        0,
+    )
+    .unwrap();
+    w.submit(
+        3,
+        &JobBlocks {
+            kind: JobKind::Load,
+            src: &[0, 1],
+            dst: &[0],
+            block_index: 0,
+        },
+        0,
+    )
+    .unwrap();
     assert!(matches!(
-        w.submit(3, &JobBlocks { kind: JobKind::Load, src: &[0], dst: &[0], block_index: 0 }, 0),
+        w.submit(
+            3,
+            &JobBlocks {
+                kind: JobKind::Load,
+                src: &[0],
+                dst: &[0],
+                block_index: 0
+            },
+            0
+        ),
         Err(Error::InvalidState(_))
     ));
     let mut out = Vec::new();
@@ -195,10 +285,21 @@ fn bad_jobs_fail_and_nothing_crashes() {
     assert!(out[0].error.as_ref().unwrap().contains("block id 8"));
     assert!(out[1].error.as_ref().unwrap().contains("host slot 4"));
     assert_eq!(a.snapshot(), before);
-    assert!(matches!(w.wait(&[42], Duration::from_secs(1)), Err(Error::NotFound(m)) if m.contains("42")));
+    assert!(
+        matches!(w.wait(&[42], Duration::from_secs(1)), Err(Error::NotFound(m)) if m.contains("42"))
+    );
     w.shutdown().unwrap();
     assert!(matches!(
-        w.submit(9, &JobBlocks { kind: JobKind::Store, src: &[0], dst: &[0], block_index: 0 }, 0),
+        w.submit(
+            9,
+            &JobBlocks {
+                kind: JobKind::Store,
+                src: &[0],
+                dst: &[0],
+                block_index: 0
+            },
+            0
+        ),
         Err(Error::InvalidState(_))
     ));
 }
@@ -206,25 +307,73 @@ fn bad_jobs_fail_and_nothing_crashes() {
 #[test]
 fn registrations_are_validated() {
     let a = Mem::new(1, 8, 64, 64);
-    let cfg = WorkerConfig { num_host_slots: 4, ..Default::default() };
+    let cfg = WorkerConfig {
+        num_host_slots: 4,
+        ..Default::default()
+    };
     let t = a.tensor;
     let cases = [
         (vec![], "none"),
-        (vec![t, KvTensor { base: t.base + 64, ..t }], "overlaps"),
+        (
+            vec![
+                t,
+                KvTensor {
+                    base: t.base + 64,
+                    ..t
+                },
+            ],
+            "overlaps",
+        ),
         (vec![KvTensor { page_size: 0, ..t }], "0 bytes"),
         (vec![KvTensor { num_blocks: 0, ..t }], "0 blocks"),
-        (vec![KvTensor { block_stride: 60, page_size: 60, ..t }], "multiples"),
-        (vec![KvTensor { block_stride: 32, ..t }], "block_stride"),
+        (
+            vec![KvTensor {
+                block_stride: 60,
+                page_size: 60,
+                ..t
+            }],
+            "multiples",
+        ),
+        (
+            vec![KvTensor {
+                block_stride: 32,
+                ..t
+            }],
+            "block_stride",
+        ),
         (vec![KvTensor { base: 0, ..t }], "NULL"),
-        (vec![KvTensor { on_device: true, ..t }], "CUDA"),
-        (vec![KvTensor { base: u64::MAX - 63, ..t }], "overflow"),
+        (
+            vec![KvTensor {
+                on_device: true,
+                ..t
+            }],
+            "CUDA",
+        ),
+        (
+            vec![KvTensor {
+                base: u64::MAX - 63,
+                ..t
+            }],
+            "overflow",
+        ),
     ];
     for (tensors, what) in cases {
         let r = Worker::new(cfg, &tensors, None);
-        assert!(matches!(&r, Err(Error::InvalidArgument(m)) if m.contains(what)), "{what}: {:?}", r.err());
+        assert!(
+            matches!(&r, Err(Error::InvalidArgument(m)) if m.contains(what)),
+            "{what}: {:?}",
+            r.err()
+        );
     }
     assert!(matches!(
-        Worker::new(WorkerConfig { num_host_slots: 0, ..cfg }, &[t], None),
+        Worker::new(
+            WorkerConfig {
+                num_host_slots: 0,
+                ..cfg
+            },
+            &[t],
+            None
+        ),
         Err(Error::InvalidArgument(_))
     ));
     let mut small = vec![0u8; 100];
@@ -237,12 +386,29 @@ fn caller_host_memory_and_swap_blocks() {
     let a = Mem::new(1, 8, 64, 64);
     let b = Mem::new(2, 8, 64, 128);
     let mut host = vec![0u8; 4 * 64 * 2];
-    let cfg = WorkerConfig { num_host_slots: 4, ..Default::default() };
+    let cfg = WorkerConfig {
+        num_host_slots: 4,
+        ..Default::default()
+    };
     let half = host.len() / 2;
     let (h0, h1) = host.split_at_mut(half);
-    let mut w = Worker::new(cfg, &[a.tensor, b.tensor], Some(&[(h0.as_mut_ptr(), half), (h1.as_mut_ptr(), half)]))
-        .unwrap();
-    w.submit(1, &JobBlocks { kind: JobKind::Store, src: &[3], dst: &[2], block_index: 0 }, 0).unwrap();
+    let mut w = Worker::new(
+        cfg,
+        &[a.tensor, b.tensor],
+        Some(&[(h0.as_mut_ptr(), half), (h1.as_mut_ptr(), half)]),
+    )
+    .unwrap();
+    w.submit(
+        1,
+        &JobBlocks {
+            kind: JobKind::Store,
+            src: &[3],
+            dst: &[2],
+            block_index: 0,
+        },
+        0,
+    )
+    .unwrap();
     drain(&mut w, &[1]);
     assert_eq!(&host[128..192], &a.page(3)[..]);
     // Synchronous swap: a's blocks 1, 2 → b's blocks 6, 7.
@@ -253,8 +419,14 @@ fn caller_host_memory_and_swap_blocks() {
     let done = drain(&mut w, &[77]);
     assert_eq!((done[0].job_id, done[0].bytes), (77, 64));
     assert_eq!(a.page(5), b.page(0));
-    assert!(matches!(w.swap_blocks(0, 1, &[8], &[0], None), Err(Error::InvalidArgument(_))));
-    assert!(matches!(w.swap_blocks(0, 2, &[0], &[0], None), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        w.swap_blocks(0, 1, &[8], &[0], None),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        w.swap_blocks(0, 2, &[0], &[0], None),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 #[test]
@@ -302,5 +474,7 @@ fn submit_step_runs_a_scheduler_plan() {
     assert_eq!(host_sub_block(&w, 0, slots[1], 0, 64), a.page(12));
     let mut other = received.clone();
     other.block_size_factor = 3;
-    assert!(matches!(w.submit_step(&other, 0), Err(Error::InvalidArgument(m)) if m.contains("block_size_factor")));
+    assert!(
+        matches!(w.submit_step(&other, 0), Err(Error::InvalidArgument(m)) if m.contains("block_size_factor"))
+    );
 }

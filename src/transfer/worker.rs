@@ -35,7 +35,12 @@ pub struct WorkerConfig {
 
 impl Default for WorkerConfig {
     fn default() -> Self {
-        Self { block_size_factor: 1, num_host_slots: 0, threads: 4, backend: BackendKind::Host }
+        Self {
+            block_size_factor: 1,
+            num_host_slots: 0,
+            threads: 4,
+            backend: BackendKind::Host,
+        }
     }
 }
 
@@ -58,7 +63,11 @@ impl Worker {
     /// A worker over `tensors` (the server's KV cache, canonical layout). Host tier buffers are
     /// allocated (page-aligned; page-locked with CUDA), or taken from `host_memory` (one
     /// `(pointer, length)` per tensor, kept valid by the caller until the worker is dropped).
-    pub fn new(cfg: WorkerConfig, tensors: &[KvTensor], host_memory: Option<&[(*mut u8, usize)]>) -> Result<Self> {
+    pub fn new(
+        cfg: WorkerConfig,
+        tensors: &[KvTensor],
+        host_memory: Option<&[(*mut u8, usize)]>,
+    ) -> Result<Self> {
         if cfg.block_size_factor == 0 {
             return Err(invalid!("block_size_factor: 0"));
         }
@@ -69,22 +78,36 @@ impl Worker {
         let mut backend: Box<dyn Backend> = match cfg.backend {
             BackendKind::Host => {
                 if let Some(i) = tensors.iter().position(|t| t.on_device) {
-                    return Err(invalid!("tensors[{i}]: device memory needs the CUDA backend"));
+                    return Err(invalid!(
+                        "tensors[{i}]: device memory needs the CUDA backend"
+                    ));
                 }
                 Box::new(HostBackend::new(cfg.threads)?)
             }
-            BackendKind::Cuda(_device) => return Err(Error::CudaUnavailable("CUDA backend: TEMP until cuda.rs lands".into())),
+            BackendKind::Cuda(device) => Box::new(super::cuda::CudaBackend::new(device)?),
         };
         let mut host = Vec::with_capacity(tensors.len());
         for (i, t) in tensors.iter().enumerate() {
             let buf = match host_memory {
-                None => HostBuffer::allocate(cfg.num_host_slots, t.page_size, cfg.block_size_factor)?,
+                None => {
+                    HostBuffer::allocate(cfg.num_host_slots, t.page_size, cfg.block_size_factor)?
+                }
                 Some(mem) => {
-                    let &(p, len) = mem
-                        .get(i)
-                        .ok_or_else(|| invalid!("host_memory: {} buffers for {} tensors", mem.len(), tensors.len()))?;
-                    HostBuffer::borrowed(p, len, cfg.num_host_slots, t.page_size, cfg.block_size_factor)
-                        .map_err(|e| invalid!("host_memory[{i}]: {e}"))?
+                    let &(p, len) = mem.get(i).ok_or_else(|| {
+                        invalid!(
+                            "host_memory: {} buffers for {} tensors",
+                            mem.len(),
+                            tensors.len()
+                        )
+                    })?;
+                    HostBuffer::borrowed(
+                        p,
+                        len,
+                        cfg.num_host_slots,
+                        t.page_size,
+                        cfg.block_size_factor,
+                    )
+                    .map_err(|e| invalid!("host_memory[{i}]: {e}"))?
                 }
             };
             let (p, len) = buf.raw();
@@ -111,7 +134,10 @@ impl Worker {
 
     /// The host tier buffer of tensor `t`: (address, length).
     pub fn host_buffer(&self, t: usize) -> Result<(*mut u8, usize)> {
-        self.host.get(t).map(|h| h.raw()).ok_or_else(|| invalid!("tensor: {t} of {}", self.host.len()))
+        self.host
+            .get(t)
+            .map(|h| h.raw())
+            .ok_or_else(|| invalid!("tensor: {t} of {}", self.host.len()))
     }
 
     fn check_new_id(&self, job_id: u64) -> Result<()> {
@@ -119,7 +145,9 @@ impl Worker {
             return Err(Error::InvalidState("worker is shut down".into()));
         }
         if self.known.contains(&job_id) {
-            return Err(Error::InvalidState(format!("job_id: {job_id} is already submitted")));
+            return Err(Error::InvalidState(format!(
+                "job_id: {job_id} is already submitted"
+            )));
         }
         Ok(())
     }
@@ -139,12 +167,25 @@ impl Worker {
             self.cfg.num_host_slots,
             &mut self.descs,
         );
-        let dir = if job.kind == JobKind::Load { Direction::ToKv } else { Direction::ToHost };
+        let dir = if job.kind == JobKind::Load {
+            Direction::ToKv
+        } else {
+            Direction::ToHost
+        };
         self.known.insert(job_id);
-        let submitted =
-            planned.and_then(|bytes| self.backend.submit(job_id, dir, &self.descs, compute_stream).map(|_| bytes));
+        let submitted = planned.and_then(|bytes| {
+            self.backend
+                .submit(job_id, dir, &self.descs, compute_stream)
+                .map(|_| bytes)
+        });
         if let Err(e) = submitted {
-            self.ready.push(Completion { job_id, success: false, bytes: 0, seconds: 0.0, error: Some(e.to_string()) });
+            self.ready.push(Completion {
+                job_id,
+                success: false,
+                bytes: 0,
+                seconds: 0.0,
+                error: Some(e.to_string()),
+            });
         }
         Ok(())
     }
@@ -164,7 +205,12 @@ impl Worker {
             self.check_new_id(j.id)?;
         }
         for j in step.jobs() {
-            let blocks = JobBlocks { kind: j.kind, src: step.src(j), dst: step.dst(j), block_index: j.block_index };
+            let blocks = JobBlocks {
+                kind: j.kind,
+                src: step.src(j),
+                dst: step.dst(j),
+                block_index: j.block_index,
+            };
             self.submit(j.id, &blocks, compute_stream)?;
         }
         Ok(())
@@ -172,7 +218,14 @@ impl Worker {
 
     /// The copy descriptors of `job` (appended to `out`) and its bytes, as `submit` plans them.
     pub fn plan(&self, job: &JobBlocks<'_>, out: &mut Vec<CopyDesc>) -> Result<u64> {
-        plan_job(job, &self.kv, &self.host, self.cfg.block_size_factor, self.cfg.num_host_slots, out)
+        plan_job(
+            job,
+            &self.kv,
+            &self.host,
+            self.cfg.block_size_factor,
+            self.cfg.num_host_slots,
+            out,
+        )
     }
 
     /// Appends the jobs finished since the last poll (per direction in submission order; failed
@@ -191,8 +244,14 @@ impl Worker {
     /// [`Error::NotFound`] for an id never submitted or already reported by `poll`, with
     /// [`Error::Timeout`] when `timeout` passes first.
     pub fn wait(&mut self, job_ids: &[u64], timeout: Duration) -> Result<()> {
-        if let Some((i, id)) = job_ids.iter().enumerate().find(|(_, id)| !self.known.contains(*id)) {
-            return Err(Error::NotFound(format!("job_ids[{i}]: {id} is not in flight")));
+        if let Some((i, id)) = job_ids
+            .iter()
+            .enumerate()
+            .find(|(_, id)| !self.known.contains(*id))
+        {
+            return Err(Error::NotFound(format!(
+                "job_ids[{i}]: {id} is not in flight"
+            )));
         }
         self.backend.wait(job_ids, timeout)
     }
@@ -209,13 +268,24 @@ impl Worker {
         job_id: Option<u64>,
     ) -> Result<()> {
         let (Some(s), Some(d)) = (self.kv.get(src_tensor), self.kv.get(dst_tensor)) else {
-            return Err(invalid!("src_tensor {src_tensor} / dst_tensor {dst_tensor}: {} registered", self.kv.len()));
+            return Err(invalid!(
+                "src_tensor {src_tensor} / dst_tensor {dst_tensor}: {} registered",
+                self.kv.len()
+            ));
         };
         if src_blocks.len() != dst_blocks.len() {
-            return Err(invalid!("dst_blocks: {} ids for {} sources", dst_blocks.len(), src_blocks.len()));
+            return Err(invalid!(
+                "dst_blocks: {} ids for {} sources",
+                dst_blocks.len(),
+                src_blocks.len()
+            ));
         }
         if s.page_size != d.page_size {
-            return Err(invalid!("dst_tensor: page {} bytes, source page {}", d.page_size, s.page_size));
+            return Err(invalid!(
+                "dst_tensor: page {} bytes, source page {}",
+                d.page_size,
+                s.page_size
+            ));
         }
         if let Some(b) = src_blocks.iter().find(|&&b| b >= s.num_blocks) {
             return Err(invalid!("src_blocks: {b} outside {} blocks", s.num_blocks));
@@ -233,9 +303,20 @@ impl Worker {
         self.check_new_id(id)?;
         self.descs.clear();
         for (&a, &b) in src_blocks.iter().zip(dst_blocks) {
-            push_merged(&mut self.descs, CopyDesc { src: s.block(a), dst: d.block(b), size: s.page_size });
+            push_merged(
+                &mut self.descs,
+                CopyDesc {
+                    src: s.block(a),
+                    dst: d.block(b),
+                    size: s.page_size,
+                },
+            );
         }
-        let dir = if d.on_device { Direction::ToKv } else { Direction::ToHost };
+        let dir = if d.on_device {
+            Direction::ToKv
+        } else {
+            Direction::ToHost
+        };
         self.backend.submit(id, dir, &self.descs, 0)?;
         self.known.insert(id);
         if job_id.is_none() {
