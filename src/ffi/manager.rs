@@ -151,16 +151,19 @@ pub unsafe extern "C" fn kvo_manager_config_default(out: *mut kvo_manager_config
     })
 }
 
+/// A `kvo_policy` value from C.
+pub(crate) fn policy_from(p: u32) -> Result<Policy, Failure> {
+    match p {
+        0 => Ok(Policy::Lru),
+        1 => Ok(Policy::Arc),
+        p => Err(Failure::invalid(format!(
+            "cfg->policy: {p} is not a kvo_policy"
+        ))),
+    }
+}
+
 fn to_config(c: &kvo_manager_config) -> Result<ManagerConfig, Failure> {
-    let policy = match c.policy {
-        0 => Policy::Lru,
-        1 => Policy::Arc,
-        p => {
-            return Err(Failure::invalid(format!(
-                "cfg->policy: {p} is not a kvo_policy"
-            )));
-        }
-    };
+    let policy = policy_from(c.policy)?;
     let num_slots = usize::try_from(c.num_slots)
         .map_err(|_| Failure::invalid(format!("cfg->num_slots: {} is too large", c.num_slots)))?;
     Ok(ManagerConfig {

@@ -1,10 +1,11 @@
 //! `kvo_scheduler_*`: the connector scheduler ([`crate::scheduler::Scheduler`]) behind a C handle.
 
+use super::manager::policy_from;
 use super::{
     Failure, copy_events, guard, handle, kvo_event, kvo_manager_stats, kvo_status, kvo_step, lock,
     non_null, read_config, slice, write, write_sized,
 };
-use crate::manager::{ManagerConfig, Policy};
+use crate::manager::ManagerConfig;
 use crate::scheduler::{
     DeferReason, JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig,
 };
@@ -207,15 +208,7 @@ pub unsafe extern "C" fn kvo_scheduler_config_default(
 }
 
 fn to_config(c: &kvo_scheduler_config) -> Result<SchedulerConfig, Failure> {
-    let policy = match c.policy {
-        0 => Policy::Lru,
-        1 => Policy::Arc,
-        p => {
-            return Err(Failure::invalid(format!(
-                "cfg->policy: {p} is not a kvo_policy"
-            )));
-        }
-    };
+    let policy = policy_from(c.policy)?;
     let m = ManagerConfig::default();
     Ok(SchedulerConfig {
         key_len: c.key_len as usize,
