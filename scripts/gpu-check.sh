@@ -7,7 +7,8 @@
 #                                   build, `cargo test --release`, the ignored real-GPU tests
 #                                   (tests/cuda_gpu.rs if it exists, and real_gpu_round_trip in
 #                                   tests/cuda_fake.rs), and the `gpu` benchmarks of
-#                                   benches/transfer.rs if that bench exists.
+#                                   benches/transfer.rs if that bench exists (host<->device GB/s
+#                                   at 16 KiB..2 MiB blocks, about 80 s; summary table at the end).
 #                                   Without cargo there (the lent H200 image has no Rust): runs the
 #                                   same test and bench executables from target/gpu-bundle/.
 #   scripts/gpu-check.sh bundle     on a build machine with cargo (same CPU architecture; glibc
@@ -67,6 +68,8 @@ gpu_info() {
   log "=== machine: $(uname -srm); $(nproc) CPUs"
   if command -v nvidia-smi >/dev/null 2>&1; then
     step nvidia-smi 30 nvidia-smi
+    # The host link the transfer benches compare against (current gen drops when idle).
+    log "pcie: $(nvidia-smi --query-gpu=name,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max --format=csv,noheader 2>&1 | head -4 | tr '\n' ';' || true)"
   else
     log "nvidia-smi not found"
   fi
@@ -137,7 +140,7 @@ if command -v cargo >/dev/null 2>&1 && [ "${KVO_GPU_CHECK_NO_CARGO:-0}" != 1 ]; 
   fi
   step real_gpu_round_trip 120 cargo test --release --test cuda_fake -- --ignored --nocapture real_gpu_round_trip
   if [ -f benches/transfer.rs ]; then
-    step bench_gpu 120 cargo bench --bench transfer -- --warm-up-time 1 --measurement-time 3 gpu
+    step bench_gpu 180 cargo bench --bench transfer -- --warm-up-time 1 --measurement-time 3 gpu
   else
     log "benches/transfer.rs does not exist: skipped"
   fi
@@ -178,7 +181,7 @@ if [ -x "$BUNDLE/test-cuda_fake" ]; then
   step real_gpu_round_trip 120 "$BUNDLE/test-cuda_fake" --ignored --nocapture real_gpu_round_trip
 fi
 if [ -n "$bench_exe" ]; then
-  step bench_gpu 120 "$bench_exe" --bench --warm-up-time 1 --measurement-time 3 gpu
+  step bench_gpu 180 "$bench_exe" --bench --warm-up-time 1 --measurement-time 3 gpu
 else
   log "no transfer bench executable: skipped"
 fi
