@@ -59,7 +59,7 @@ fn run_job(s: &mut Setup, id: u64) {
     s.worker.submit(id, &job, 0).unwrap();
     s.worker.wait(&[id], Duration::from_secs(60)).unwrap();
     let mut out = Vec::new();
-    s.worker.poll(&mut out).unwrap();
+    s.worker.poll(&mut out, usize::MAX).unwrap();
     assert!(out.iter().all(|c| c.success));
 }
 
@@ -379,7 +379,9 @@ mod gpu {
                 None => {
                     self.worker.submit(id, job, 0).expect("Worker::submit");
                     self.worker.wait(&[id], TIMEOUT).expect("Worker::wait");
-                    self.worker.poll(&mut self.out).expect("Worker::poll");
+                    self.worker
+                        .poll(&mut self.out, usize::MAX)
+                        .expect("Worker::poll");
                 }
                 Some(be) => {
                     self.descs.clear();

@@ -1406,7 +1406,8 @@ void kvo_worker_free(struct kvo_worker *w);
  * not fit the registration, or that the driver rejects, completes as failed at the next poll.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for an
- * unknown kind; `KVO_STATUS_INVALID_STATE` if `job_id` is in flight or after shutdown.
+ * unknown kind; `KVO_STATUS_INVALID_STATE` if `job_id` is in use (submitted and not yet handed
+ * out by `kvo_worker_poll`) or after shutdown.
  *
  * # Safety
  * `w` NULL or live; `src`/`dst` NULL or `n_src`/`n_dst` readable entries.
@@ -1439,8 +1440,10 @@ kvo_status kvo_worker_submit_step(struct kvo_worker *w,
                                   uint64_t compute_stream);
 
 /**
- * Writes up to `cap` finished jobs to `out` (per direction in submission order) and their number
- * to `*out_n`; the rest stay for the next call. Report them to the scheduler with
+ * Writes up to `cap` finished jobs to `out` and their number to `*out_n`; the rest stay for the
+ * next call (their ids stay in use until handed out). Order: per direction in submission order,
+ * except that a job refused at submission (block ids outside the registration, a driver error)
+ * comes at the next poll, ahead of jobs still copying. Report them to the scheduler with
  * `kvo_scheduler_complete_jobs`.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_CUDA_ERROR` if the driver
@@ -1477,7 +1480,8 @@ kvo_status kvo_worker_job_error(const struct kvo_worker *w,
  * `timeout_ms` passes. Completions remain to be polled.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an id never
- * submitted or already polled; `KVO_STATUS_TIMEOUT`; `KVO_STATUS_CUDA_ERROR`.
+ * submitted or already handed out by `kvo_worker_poll`; `KVO_STATUS_TIMEOUT`;
+ * `KVO_STATUS_CUDA_ERROR`.
  *
  * # Safety
  * `w` NULL or live; `job_ids` NULL or `n` readable entries.

@@ -177,3 +177,9 @@ fn scheduler_api_from_cxx() {
     let out = build_and_run("scheduler.cpp");
     assert_all_passed("scheduler.cpp", &out);
 }
+
+#[test]
+fn worker_api_from_c() {
+    let out = build_and_run("worker.c");
+    assert_all_passed("worker.c", &out);
+}

@@ -10,7 +10,8 @@
 
 The scheduler side (:class:`Scheduler`: requests, matching with the deferral rule, load and
 store jobs) builds a :class:`Step` plan per engine step; ``Step.encode()`` / ``Step.decode()``
-carry it to the workers, whose reports go back through :meth:`Scheduler.complete_jobs`.
+carry it to the workers (:class:`Worker`: block copies between registered KV tensors and the
+host tier), whose reports go back through :meth:`Scheduler.complete_jobs`.
 
 The shared library is found through ``KVOFFLOAD_LIB``, then ``<repo>/target/{release,debug}``
 (and their ``deps/``), then next to this package. Importing fails with ``ImportError`` when the
@@ -49,6 +50,7 @@ from ._scheduler import (
     Step,
     StepInfo,
 )
+from ._worker import Completion, KvTensor, Worker, cuda_available
 
 __all__ = list(_ffi.__all__) + [
     "version",
@@ -65,6 +67,10 @@ __all__ = list(_ffi.__all__) + [
     "Step",
     "StepInfo",
     "Job",
+    "Worker",
+    "KvTensor",
+    "Completion",
+    "cuda_available",
 ]
 __version__ = version()
 

@@ -92,8 +92,6 @@ pub struct kvo_worker {
 
 struct WorkerState {
     worker: Worker,
-    /// Completions polled from the worker, not yet handed to the caller.
-    pending: VecDeque<Completion>,
     /// Messages of the last failed jobs handed out.
     errors: VecDeque<(u64, String)>,
     scratch: Vec<Completion>,
@@ -211,7 +209,6 @@ pub unsafe extern "C" fn kvo_worker_new(
         let w = Worker::new(config, &kv, mem.as_deref())?;
         let state = WorkerState {
             worker: w,
-            pending: VecDeque::new(),
             errors: VecDeque::new(),
             scratch: Vec::new(),
         };
@@ -247,7 +244,8 @@ pub unsafe extern "C" fn kvo_worker_free(w: *mut kvo_worker) {
 /// not fit the registration, or that the driver rejects, completes as failed at the next poll.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for an
-/// unknown kind; `KVO_STATUS_INVALID_STATE` if `job_id` is in flight or after shutdown.
+/// unknown kind; `KVO_STATUS_INVALID_STATE` if `job_id` is in use (submitted and not yet handed
+/// out by `kvo_worker_poll`) or after shutdown.
 ///
 /// # Safety
 /// `w` NULL or live; `src`/`dst` NULL or `n_src`/`n_dst` readable entries.
@@ -317,8 +315,10 @@ pub unsafe extern "C" fn kvo_worker_submit_step(
     })
 }
 
-/// Writes up to `cap` finished jobs to `out` (per direction in submission order) and their number
-/// to `*out_n`; the rest stay for the next call. Report them to the scheduler with
+/// Writes up to `cap` finished jobs to `out` and their number to `*out_n`; the rest stay for the
+/// next call (their ids stay in use until handed out). Order: per direction in submission order,
+/// except that a job refused at submission (block ids outside the registration, a driver error)
+/// comes at the next poll, ahead of jobs still copying. Report them to the scheduler with
 /// `kvo_scheduler_complete_jobs`.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_CUDA_ERROR` if the driver
@@ -342,11 +342,9 @@ pub unsafe extern "C" fn kvo_worker_poll(
         // SAFETY: forwarded from the caller.
         let out = unsafe { slice_mut(out, cap, "out") }?;
         st.scratch.clear();
-        st.worker.poll(&mut st.scratch)?;
-        st.pending.extend(st.scratch.drain(..));
-        let n = cap.min(st.pending.len());
-        for slot in out.iter_mut().take(n) {
-            let c = st.pending.pop_front().expect("counted");
+        st.worker.poll(&mut st.scratch, cap)?;
+        let n = st.scratch.len();
+        for (slot, c) in out.iter_mut().zip(st.scratch.drain(..)) {
             *slot = kvo_completion {
                 job_id: c.job_id,
                 bytes: c.bytes,
@@ -415,7 +413,8 @@ pub unsafe extern "C" fn kvo_worker_job_error(
 /// `timeout_ms` passes. Completions remain to be polled.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an id never
-/// submitted or already polled; `KVO_STATUS_TIMEOUT`; `KVO_STATUS_CUDA_ERROR`.
+/// submitted or already handed out by `kvo_worker_poll`; `KVO_STATUS_TIMEOUT`;
+/// `KVO_STATUS_CUDA_ERROR`.
 ///
 /// # Safety
 /// `w` NULL or live; `job_ids` NULL or `n` readable entries.
@@ -432,18 +431,7 @@ pub unsafe extern "C" fn kvo_worker_wait(
         let ids = unsafe { slice(job_ids, n, "job_ids") }?;
         // SAFETY: forwarded from the caller.
         let mut st = unsafe { worker(w) }?.get()?;
-        let mut done = Vec::new();
-        // Ids already finished but not yet handed out count as known.
-        let pending: Vec<u64> = st.pending.iter().map(|c| c.job_id).collect();
-        let waiting: Vec<u64> = ids
-            .iter()
-            .copied()
-            .filter(|id| !pending.contains(id))
-            .collect();
-        st.worker
-            .wait(&waiting, Duration::from_millis(timeout_ms))?;
-        st.worker.poll(&mut done)?;
-        st.pending.extend(done);
+        st.worker.wait(ids, Duration::from_millis(timeout_ms))?;
         Ok(())
     })
 }

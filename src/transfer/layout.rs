@@ -50,12 +50,11 @@ pub fn validate(tensors: &[KvTensor]) -> Result<()> {
         if t.base == 0 {
             return Err(invalid!("tensors[{i}].base: NULL"));
         }
-        if t.num_blocks == 0 || t.page_size == 0 {
-            return Err(invalid!(
-                "tensors[{i}]: {} blocks of {} bytes",
-                t.num_blocks,
-                t.page_size
-            ));
+        if t.page_size == 0 {
+            return Err(invalid!("tensors[{i}].page_size: 0"));
+        }
+        if t.num_blocks == 0 {
+            return Err(invalid!("tensors[{i}].num_blocks: 0"));
         }
         if t.block_stride < t.page_size {
             return Err(invalid!(
@@ -99,18 +98,28 @@ pub struct HostBuffer {
 // SAFETY: the buffer is plain memory; the worker serializes access to it.
 unsafe impl Send for HostBuffer {}
 
+/// Bytes per slot and in all (`num_slots * page_size * factor`), or an error when they overflow.
+fn tier_size(num_slots: u32, page_size: u64, factor: u32) -> Result<(u64, usize)> {
+    let slot_size = page_size.checked_mul(factor as u64);
+    let len = slot_size
+        .and_then(|s| s.checked_mul(num_slots as u64))
+        .and_then(|l| usize::try_from(l).ok())
+        .filter(|&l| l > 0 && l <= isize::MAX as usize);
+    match (slot_size, len) {
+        (Some(s), Some(l)) => Ok((s, l)),
+        _ => Err(invalid!(
+            "num_host_slots: {num_slots} slots of {factor} pages of {page_size} bytes overflow the address space"
+        )),
+    }
+}
+
 /// Host page size used to align owned buffers.
 const HOST_ALIGN: usize = 4096;
 
 impl HostBuffer {
     /// A zeroed, page-aligned buffer of `num_slots * page_size * factor` bytes.
     pub fn allocate(num_slots: u32, page_size: u64, factor: u32) -> Result<Self> {
-        let slot_size = page_size * factor as u64;
-        let len = (num_slots as u64)
-            .checked_mul(slot_size)
-            .and_then(|l| usize::try_from(l).ok())
-            .filter(|&l| l > 0)
-            .ok_or_else(|| invalid!("num_host_slots: {num_slots} slots of {slot_size} bytes"))?;
+        let (slot_size, len) = tier_size(num_slots, page_size, factor)?;
         let layout =
             Layout::from_size_align(len, HOST_ALIGN).map_err(|e| invalid!("host buffer: {e}"))?;
         // SAFETY: non-zero size.
@@ -137,12 +146,11 @@ impl HostBuffer {
         page_size: u64,
         factor: u32,
     ) -> Result<Self> {
-        let slot_size = page_size * factor as u64;
-        let need = num_slots as u64 * slot_size;
+        let (slot_size, need) = tier_size(num_slots, page_size, factor)?;
         if ptr.is_null() {
             return Err(Error::InvalidArgument("host buffer: NULL".into()));
         }
-        if (len as u64) < need {
+        if len < need {
             return Err(invalid!("host buffer: {len} bytes, {need} needed"));
         }
         Ok(Self {

@@ -73,7 +73,7 @@ fn worker(factor: u32, slots: u32, mems: &[&Mem]) -> Worker {
 fn drain(w: &mut Worker, ids: &[u64]) -> Vec<Completion> {
     w.wait(ids, Duration::from_secs(10)).unwrap();
     let mut out = Vec::new();
-    w.poll(&mut out).unwrap();
+    w.poll(&mut out, usize::MAX).unwrap();
     out
 }
 
@@ -279,7 +279,7 @@ fn bad_jobs_fail_and_nothing_crashes() {
         Err(Error::InvalidState(_))
     ));
     let mut out = Vec::new();
-    w.poll(&mut out).unwrap();
+    w.poll(&mut out, usize::MAX).unwrap();
     assert_eq!(out.len(), 3);
     assert!(out.iter().all(|c| !c.success));
     assert!(out[0].error.as_ref().unwrap().contains("block id 8"));
@@ -324,8 +324,8 @@ fn registrations_are_validated() {
             ],
             "overlaps",
         ),
-        (vec![KvTensor { page_size: 0, ..t }], "0 bytes"),
-        (vec![KvTensor { num_blocks: 0, ..t }], "0 blocks"),
+        (vec![KvTensor { page_size: 0, ..t }], "page_size"),
+        (vec![KvTensor { num_blocks: 0, ..t }], "num_blocks"),
         (
             vec![KvTensor {
                 block_stride: 60,
@@ -378,7 +378,7 @@ fn registrations_are_validated() {
     ));
     let mut small = vec![0u8; 100];
     let r = Worker::new(cfg, &[t], Some(&[(small.as_mut_ptr(), 100)]));
-    assert!(matches!(r, Err(Error::InvalidArgument(m)) if m.contains("host_memory[0]")));
+    assert!(matches!(r, Err(Error::InvalidArgument(m)) if m.contains("host_buffers[0]")));
 }
 
 #[test]
@@ -477,4 +477,77 @@ fn submit_step_runs_a_scheduler_plan() {
     assert!(
         matches!(w.submit_step(&other, 0), Err(Error::InvalidArgument(m)) if m.contains("block_size_factor"))
     );
+}
+
+#[test]
+fn ids_stay_in_use_until_handed_out_and_poll_respects_max() {
+    let a = Mem::new(1, 8, 64, 64);
+    let mut w = worker(1, 8, &[&a]);
+    let job = JobBlocks {
+        kind: JobKind::Store,
+        src: &[1],
+        dst: &[1],
+        block_index: 0,
+    };
+    for id in [5, 6, 7] {
+        w.submit(id, &job, 0).unwrap();
+    }
+    w.wait(&[5, 6, 7], Duration::from_secs(10)).unwrap();
+    let mut out = Vec::new();
+    w.poll(&mut out, 1).unwrap();
+    assert_eq!(out.iter().map(|c| c.job_id).collect::<Vec<_>>(), vec![5]);
+    // 6 finished but was not handed out: its id is still in use, and waiting on it is fine.
+    assert!(matches!(w.submit(6, &job, 0), Err(Error::InvalidState(_))));
+    w.wait(&[6], Duration::from_secs(1)).unwrap();
+    assert!(matches!(
+        w.wait(&[5], Duration::from_secs(1)),
+        Err(Error::NotFound(_))
+    ));
+    w.submit(5, &job, 0).unwrap();
+    // A synchronous swap does not collide with a caller's id near the top of the range.
+    w.submit(u64::MAX, &job, 0).unwrap();
+    w.swap_blocks(0, 0, &[2], &[3], None).unwrap();
+    let ids: Vec<u64> = drain(&mut w, &[5, u64::MAX])
+        .iter()
+        .map(|c| c.job_id)
+        .collect();
+    assert_eq!(ids, vec![6, 7, 5, u64::MAX]);
+    // An empty plan after shutdown is refused too.
+    w.shutdown().unwrap();
+    assert!(matches!(
+        w.submit_step(&Step::new(), 0),
+        Err(Error::InvalidState(_))
+    ));
+}
+
+#[test]
+fn host_tier_sizes_that_overflow_are_refused() {
+    let mut big = [0u64; 8];
+    let t = KvTensor {
+        base: big.as_mut_ptr() as u64,
+        num_blocks: 1,
+        block_stride: (1 << 62) + 8,
+        page_size: (1 << 62) + 8,
+        on_device: false,
+    };
+    let cfg = WorkerConfig {
+        block_size_factor: 4,
+        num_host_slots: 1,
+        ..Default::default()
+    };
+    assert!(
+        matches!(Worker::new(cfg, &[t], None), Err(Error::InvalidArgument(m)) if m.contains("overflow"))
+    );
+    let t = KvTensor {
+        block_stride: 1 << 61,
+        page_size: 1 << 61,
+        ..t
+    };
+    let cfg = WorkerConfig {
+        block_size_factor: 8,
+        ..cfg
+    };
+    let mut mem = [0u8; 64];
+    let r = Worker::new(cfg, &[t], Some(&[(mem.as_mut_ptr(), 64)]));
+    assert!(matches!(r, Err(Error::InvalidArgument(m)) if m.contains("overflow")));
 }

@@ -9,6 +9,7 @@ use super::plan::{JobBlocks, plan_job, push_merged};
 use crate::error::{Error, Result, invalid};
 use crate::scheduler::{JobKind, Step};
 use hashbrown::HashSet;
+use std::collections::VecDeque;
 use std::time::Duration;
 
 /// Which copy engine a worker uses.
@@ -53,20 +54,20 @@ pub struct Worker {
     /// Jobs submitted and not yet reported by `poll`.
     known: HashSet<u64>,
     /// Completions to report at the next poll (failed submissions, swaps' neighbours).
-    ready: Vec<Completion>,
+    ready: VecDeque<Completion>,
+    scratch: Vec<Completion>,
     descs: Vec<CopyDesc>,
-    next_internal_id: u64,
     shut_down: bool,
 }
 
 impl Worker {
     /// A worker over `tensors` (the server's KV cache, canonical layout). Host tier buffers are
-    /// allocated (page-aligned; page-locked with CUDA), or taken from `host_memory` (one
+    /// allocated (page-aligned; page-locked with CUDA), or taken from `host_buffers` (one
     /// `(pointer, length)` per tensor, kept valid by the caller until the worker is dropped).
     pub fn new(
         cfg: WorkerConfig,
         tensors: &[KvTensor],
-        host_memory: Option<&[(*mut u8, usize)]>,
+        host_buffers: Option<&[(*mut u8, usize)]>,
     ) -> Result<Self> {
         if cfg.block_size_factor == 0 {
             return Err(invalid!("block_size_factor: 0"));
@@ -88,14 +89,14 @@ impl Worker {
         };
         let mut host = Vec::with_capacity(tensors.len());
         for (i, t) in tensors.iter().enumerate() {
-            let buf = match host_memory {
+            let buf = match host_buffers {
                 None => {
                     HostBuffer::allocate(cfg.num_host_slots, t.page_size, cfg.block_size_factor)?
                 }
                 Some(mem) => {
                     let &(p, len) = mem.get(i).ok_or_else(|| {
                         invalid!(
-                            "host_memory: {} buffers for {} tensors",
+                            "host_buffers: {} buffers for {} tensors",
                             mem.len(),
                             tensors.len()
                         )
@@ -107,7 +108,7 @@ impl Worker {
                         t.page_size,
                         cfg.block_size_factor,
                     )
-                    .map_err(|e| invalid!("host_memory[{i}]: {e}"))?
+                    .map_err(|e| invalid!("host_buffers[{i}]: {e}"))?
                 }
             };
             let (p, len) = buf.raw();
@@ -120,9 +121,9 @@ impl Worker {
             host,
             backend,
             known: HashSet::new(),
-            ready: Vec::new(),
+            ready: VecDeque::new(),
+            scratch: Vec::new(),
             descs: Vec::new(),
-            next_internal_id: u64::MAX,
             shut_down: false,
         })
     }
@@ -179,7 +180,7 @@ impl Worker {
                 .map(|_| bytes)
         });
         if let Err(e) = submitted {
-            self.ready.push(Completion {
+            self.ready.push_back(Completion {
                 job_id,
                 success: false,
                 bytes: 0,
@@ -194,6 +195,9 @@ impl Worker {
     /// if a job id is already in flight, the plan's factor differs from the worker's, or after
     /// shutdown.
     pub fn submit_step(&mut self, step: &Step, compute_stream: u64) -> Result<()> {
+        if self.shut_down {
+            return Err(Error::InvalidState("worker is shut down".into()));
+        }
         if step.block_size_factor != self.cfg.block_size_factor && !step.jobs().is_empty() {
             return Err(invalid!(
                 "step: block_size_factor {} but the worker's is {}",
@@ -228,15 +232,25 @@ impl Worker {
         )
     }
 
-    /// Appends the jobs finished since the last poll (per direction in submission order; failed
-    /// submissions first).
-    pub fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
-        let start = out.len();
-        out.append(&mut self.ready);
-        self.backend.poll(out)?;
-        for c in &out[start..] {
+    /// Appends up to `max` finished jobs to `out`, oldest first: per direction in submission
+    /// order, except that a job refused at submission (bad block ids, a driver error) is reported
+    /// at the next poll, ahead of jobs still copying. Jobs not handed out stay for the next call
+    /// (and their ids stay in use).
+    pub fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<()> {
+        self.collect()?;
+        let n = max.min(self.ready.len());
+        for c in self.ready.drain(..n) {
             self.known.remove(&c.job_id);
+            out.push(c);
         }
+        Ok(())
+    }
+
+    /// Moves the backend's finished jobs into `ready`.
+    fn collect(&mut self) -> Result<()> {
+        self.scratch.clear();
+        self.backend.poll(&mut self.scratch)?;
+        self.ready.extend(self.scratch.drain(..));
         Ok(())
     }
 
@@ -293,13 +307,13 @@ impl Worker {
         if let Some(b) = dst_blocks.iter().find(|&&b| b >= d.num_blocks) {
             return Err(invalid!("dst_blocks: {b} outside {} blocks", d.num_blocks));
         }
-        let id = match job_id {
-            Some(id) => id,
-            None => {
-                self.next_internal_id -= 1;
-                self.next_internal_id
-            }
-        };
+        // A synchronous swap takes the highest id not in use; it is never handed out.
+        let id = job_id.unwrap_or_else(|| {
+            (0..=u64::MAX)
+                .rev()
+                .find(|i| !self.known.contains(i))
+                .unwrap_or(0)
+        });
         self.check_new_id(id)?;
         self.descs.clear();
         for (&a, &b) in src_blocks.iter().zip(dst_blocks) {
@@ -321,17 +335,14 @@ impl Worker {
         self.known.insert(id);
         if job_id.is_none() {
             self.backend.wait(&[id], Duration::MAX)?;
-            let mut done = Vec::new();
-            self.backend.poll(&mut done)?;
-            for c in done {
-                if c.job_id == id {
-                    self.known.remove(&id);
-                    if !c.success {
-                        return Err(Error::Internal(c.error.unwrap_or_default()));
-                    }
-                } else {
-                    self.ready.push(c);
-                }
+            self.collect()?;
+            let at = self.ready.iter().position(|c| c.job_id == id);
+            let done = at.and_then(|at| self.ready.remove(at)).ok_or_else(|| {
+                Error::Internal(format!("swap {id} finished but was not reported"))
+            })?;
+            self.known.remove(&id);
+            if !done.success {
+                return Err(Error::Internal(done.error.unwrap_or_default()));
             }
         }
         Ok(())

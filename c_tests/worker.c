@@ -1,0 +1,1277 @@
+/* Drives the kvo_worker_* C API from C11 with the host backend: "GPU" KV tensors are plain host
+ * memory (aligned_alloc, on_device = 0). Checks byte-exact store and load jobs (block ids in
+ * random order, block_size_factor 3, a partial first chunk, a tensor whose block stride exceeds
+ * its page, a job large enough to be split across threads), the host tier layout read through
+ * kvo_worker_get_host_buffer, reported bytes, FIFO completion order per direction, a whole step
+ * from the scheduler carried through kvo_step_encode / kvo_step_decode and completed back into
+ * it, kvo_worker_swap_blocks, caller-provided host buffers, and bad inputs (exact status, a
+ * message naming the argument, nothing changed). Prints one line per failed check and
+ * `N passed, M failed`; exits non-zero on any failure. Compiled and run by tests/c_api.rs. */
+#include "kvoffload.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FACTOR 3     /* GPU blocks per host slot */
+#define SLOTS 16     /* host slots */
+#define NBLOCKS 32   /* blocks per tensor */
+#define PAGE0 64     /* tensor 0: contiguous blocks */
+#define STRIDE0 64
+#define PAGE1 40     /* tensor 1: 56 bytes of padding after each page */
+#define STRIDE1 96
+#define PAGES (PAGE0 + PAGE1)
+#define WAIT_MS 30000
+#define MAX_DONE 64
+#define KEY_LEN 8
+#define GBS 4 /* tokens per GPU block (scheduler) */
+#define MAX_IDS 64
+#define STEP_BYTES 1024
+
+/* ---- checks ----------------------------------------------------------------------------- */
+
+static int passed, failed;
+
+static void check(int ok, int line, const char *what) {
+    if (ok) {
+        passed++;
+    } else {
+        failed++;
+        printf("FAIL line %d: %s\n", line, what);
+    }
+}
+
+#define CHECK(cond) check((cond) != 0, __LINE__, #cond)
+
+static char err_buf[512];
+
+/* The calling thread's last error message. */
+static const char *last_error(void) {
+    (void)kvo_last_error_message(err_buf, sizeof err_buf);
+    return err_buf;
+}
+
+/* `got` must be `want`; a failure must leave a message naming `arg` (when given), a success an
+ * empty message. Reads the message first, so call it right after the call being checked. */
+static void check_status(kvo_status got, kvo_status want, const char *arg, int line,
+                         const char *what) {
+    const char *msg = last_error();
+    if (got != want) {
+        failed++;
+        printf("FAIL line %d: %s returned %d, want %d (last error: \"%s\")\n", line, what,
+               (int)got, (int)want, msg);
+    } else if (want == KVO_STATUS_OK && msg[0] != '\0') {
+        failed++;
+        printf("FAIL line %d: %s succeeded but left the message \"%s\"\n", line, what, msg);
+    } else if (want != KVO_STATUS_OK && msg[0] == '\0') {
+        failed++;
+        printf("FAIL line %d: %s failed without a message\n", line, what);
+    } else if (arg != NULL && strstr(msg, arg) == NULL) {
+        failed++;
+        printf("FAIL line %d: %s: message \"%s\" does not name \"%s\"\n", line, what, msg, arg);
+    } else {
+        passed++;
+    }
+}
+
+#define CHECK_OK(call) check_status((call), KVO_STATUS_OK, NULL, __LINE__, #call)
+#define CHECK_STATUS(call, want, arg) check_status((call), (want), (arg), __LINE__, #call)
+
+/* U32S(1, 2, 3) expands to `array, length`. */
+#define U32S(...)                                                                               \
+    ((const uint32_t[]){__VA_ARGS__}), (sizeof((const uint32_t[]){__VA_ARGS__}) / sizeof(uint32_t))
+#define U64S(...)                                                                               \
+    ((const uint64_t[]){__VA_ARGS__}), (sizeof((const uint64_t[]){__VA_ARGS__}) / sizeof(uint64_t))
+
+/* ---- memory ----------------------------------------------------------------------------- */
+
+/* A fixed-seed xorshift generator: the "random" block orders are the same on every run. */
+static uint64_t rng_state = 0x9E3779B97F4A7C15u;
+
+static uint32_t rnd(uint32_t n) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state % n);
+}
+
+/* `n` distinct ids from `0..range` in random order, none of them in `avoid` (`n_avoid`). */
+static void random_ids(uint32_t *out, size_t n, uint32_t range, const uint32_t *avoid,
+                       size_t n_avoid) {
+    size_t k = 0;
+    while (k < n) {
+        uint32_t v = rnd(range);
+        int dup = 0;
+        for (size_t i = 0; i < k; i++) {
+            dup |= out[i] == v;
+        }
+        for (size_t i = 0; i < n_avoid; i++) {
+            dup |= avoid[i] == v;
+        }
+        if (!dup) {
+            out[k++] = v;
+        }
+    }
+}
+
+/* A "GPU" tensor in host memory: `num_blocks` pages of `page` bytes, `stride` bytes apart, every
+ * byte (padding included) filled with a pattern of `seed`; `orig` keeps the initial bytes. */
+typedef struct {
+    uint8_t *mem;
+    uint8_t *orig;
+    size_t size;
+    kvo_kv_tensor t;
+} tensor_t;
+
+static uint8_t pattern(uint32_t seed, size_t i) {
+    uint32_t x = (uint32_t)i * 2654435761u + seed * 40503u + 0x5bd1e995u;
+    x ^= x >> 15;
+    return (uint8_t)(x ^ (x >> 8));
+}
+
+static tensor_t tensor_new(uint32_t num_blocks, uint64_t stride, uint64_t page, uint32_t seed) {
+    tensor_t t;
+    memset(&t, 0, sizeof t);
+    t.size = ((size_t)(num_blocks * stride) + 63) / 64 * 64;
+    t.mem = aligned_alloc(64, t.size);
+    t.orig = malloc(t.size);
+    if (t.mem == NULL || t.orig == NULL) {
+        printf("out of memory\n");
+        exit(2);
+    }
+    for (size_t i = 0; i < t.size; i++) {
+        t.mem[i] = pattern(seed, i);
+    }
+    memcpy(t.orig, t.mem, t.size);
+    t.t.base = (uint64_t)(uintptr_t)t.mem;
+    t.t.block_stride = stride;
+    t.t.page_size = page;
+    t.t.num_blocks = num_blocks;
+    t.t.on_device = 0;
+    return t;
+}
+
+static void tensor_free(tensor_t *t) {
+    free(t->mem);
+    free(t->orig);
+    t->mem = t->orig = NULL;
+}
+
+/* Block `b` of the tensor now / as it was. */
+static uint8_t *block(const tensor_t *t, uint32_t b) {
+    return t->mem + (size_t)b * t->t.block_stride;
+}
+static const uint8_t *orig_block(const tensor_t *t, uint32_t b) {
+    return t->orig + (size_t)b * t->t.block_stride;
+}
+
+/* The tensor's bytes equal `want` (size t->size); prints the first difference. */
+static int tensor_is(const tensor_t *t, const uint8_t *want) {
+    for (size_t i = 0; i < t->size; i++) {
+        if (t->mem[i] != want[i]) {
+            printf("  tensor differs at byte %zu (block %zu, offset %zu): %u, want %u\n", i,
+                   i / (size_t)t->t.block_stride, i % (size_t)t->t.block_stride, t->mem[i],
+                   want[i]);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The tensor is still what it was at creation (padding included). */
+#define CHECK_UNTOUCHED(t) check(tensor_is(&(t), (t).orig), __LINE__, #t " unchanged")
+
+static int bytes_are(const uint8_t *got, const uint8_t *want, size_t n, const char *what) {
+    for (size_t i = 0; i < n; i++) {
+        if (got[i] != want[i]) {
+            printf("  %s differs at byte %zu: %u, want %u\n", what, i, got[i], want[i]);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* ---- worker helpers --------------------------------------------------------------------- */
+
+static kvo_worker_config wcfg(uint32_t factor, uint32_t slots) {
+    kvo_worker_config c;
+    memset(&c, 0xAB, sizeof c);
+    CHECK_OK(kvo_worker_config_default(&c));
+    c.block_size_factor = factor;
+    c.num_host_slots = slots;
+    return c;
+}
+
+static kvo_worker *new_worker_(const kvo_worker_config *c, const kvo_kv_tensor *ts, size_t n,
+                               const kvo_host_buffer *hb, int line) {
+    kvo_worker *w = NULL;
+    check_status(kvo_worker_new(c, ts, n, hb, &w), KVO_STATUS_OK, NULL, line, "kvo_worker_new");
+    check(w != NULL, line, "kvo_worker_new wrote the handle");
+    if (w == NULL) {
+        printf("cannot go on without a worker\n");
+        exit(1);
+    }
+    return w;
+}
+#define NEW_WORKER(c, ts, n, hb) new_worker_((c), (ts), (n), (hb), __LINE__)
+
+typedef struct {
+    kvo_completion c[MAX_DONE];
+    size_t n;
+} done_t;
+
+/* Waits for `ids` then polls once: every listed job must be in that one poll. */
+static done_t wait_poll_(kvo_worker *w, const uint64_t *ids, size_t n, int line) {
+    done_t d;
+    memset(&d, 0, sizeof d);
+    check_status(kvo_worker_wait(w, ids, n, WAIT_MS), KVO_STATUS_OK, NULL, line,
+                 "kvo_worker_wait");
+    check_status(kvo_worker_poll(w, d.c, MAX_DONE, &d.n), KVO_STATUS_OK, NULL, line,
+                 "kvo_worker_poll");
+    for (size_t i = 0; i < n; i++) {
+        int found = 0;
+        for (size_t k = 0; k < d.n; k++) {
+            found |= d.c[k].job_id == ids[i];
+        }
+        if (!found) {
+            char what[96];
+            snprintf(what, sizeof what, "job %llu polled after its wait",
+                     (unsigned long long)ids[i]);
+            check(0, line, what);
+        }
+    }
+    return d;
+}
+#define WAIT_POLL(w, ...) wait_poll_((w), U64S(__VA_ARGS__), __LINE__)
+
+/* The completion of `id` in `d` (NULL if absent). */
+static const kvo_completion *find(const done_t *d, uint64_t id) {
+    for (size_t k = 0; k < d->n; k++) {
+        if (d->c[k].job_id == id) {
+            return &d->c[k];
+        }
+    }
+    return NULL;
+}
+
+/* Job `id` completed in `d` with `success` and `bytes` (the reserved field zero). */
+static void check_done_(const done_t *d, uint64_t id, uint32_t success, uint64_t bytes,
+                        int line) {
+    const kvo_completion *c = find(d, id);
+    char what[128];
+    snprintf(what, sizeof what, "job %llu completed {success %u, bytes %llu}",
+             (unsigned long long)id, success, (unsigned long long)bytes);
+    int ok = c != NULL && c->success == success && c->bytes == bytes && c->reserved == 0 &&
+             c->seconds >= 0.0;
+    check(ok, line, what);
+    if (!ok && c != NULL) {
+        printf("  got {success %u, bytes %llu, seconds %g, reserved %u}\n", c->success,
+               (unsigned long long)c->bytes, c->seconds, c->reserved);
+    }
+}
+#define CHECK_DONE(d, id, success, bytes) check_done_(&(d), (id), (success), (bytes), __LINE__)
+
+/* Nothing left to poll. */
+static void check_idle_(kvo_worker *w, int line) {
+    kvo_completion c[4];
+    size_t n = 99;
+    check_status(kvo_worker_poll(w, c, 4, &n), KVO_STATUS_OK, NULL, line, "kvo_worker_poll");
+    check(n == 0, line, "no completion left to poll");
+    if (n != 0 && n <= 4) {
+        for (size_t i = 0; i < n; i++) {
+            printf("  left: job %llu\n", (unsigned long long)c[i].job_id);
+        }
+    }
+}
+#define CHECK_IDLE(w) check_idle_((w), __LINE__)
+
+/* The host tier buffer of tensor `t`, which must hold `len` bytes. */
+static uint8_t *host_buf_(const kvo_worker *w, uint32_t t, size_t len, int line) {
+    void *p = NULL;
+    size_t n = 0;
+    check_status(kvo_worker_get_host_buffer(w, t, &p, &n), KVO_STATUS_OK, NULL, line,
+                 "kvo_worker_get_host_buffer");
+    check(p != NULL && n == len, line, "host buffer length is slots * page * factor");
+    if (p == NULL || n != len) {
+        printf("  got %p, %zu bytes; want %zu\n", p, n, len);
+        exit(1);
+    }
+    return p;
+}
+#define HOST_BUF(w, t, len) host_buf_((w), (t), (len), __LINE__)
+
+/* Sub-block `j` of slot `s` in a host buffer of pages of `page` bytes. */
+static size_t sub_off(uint32_t s, uint32_t j, uint64_t page, uint32_t factor) {
+    return (size_t)s * (size_t)page * factor + (size_t)j * (size_t)page;
+}
+
+/* The host tier image a store of `blocks` (n) into `slots` starting at sub-block `skip` makes
+ * in `img` (page `page`, factor `factor`) from tensor `t`'s original bytes. */
+static void store_image(uint8_t *img, const tensor_t *t, const uint32_t *blocks, size_t n,
+                        const uint32_t *slots, uint32_t skip, uint32_t factor) {
+    for (size_t i = 0; i < n; i++) {
+        size_t k = skip + i;
+        size_t off = sub_off(slots[k / factor], (uint32_t)(k % factor), t->t.page_size, factor);
+        memcpy(img + off, orig_block(t, blocks[i]), (size_t)t->t.page_size);
+    }
+}
+
+/* The job error message of `id`; `want` must be in it. */
+static void check_job_error_(const kvo_worker *w, uint64_t id, const char *want, int line) {
+    char buf[256];
+    size_t len = 0;
+    memset(buf, 0, sizeof buf);
+    check_status(kvo_worker_job_error(w, id, buf, sizeof buf, &len), KVO_STATUS_OK, NULL, line,
+                 "kvo_worker_job_error");
+    int ok = len > 0 && len == strlen(buf) && strstr(buf, want) != NULL;
+    char what[128];
+    snprintf(what, sizeof what, "job %llu error names \"%s\"", (unsigned long long)id, want);
+    check(ok, line, what);
+    if (!ok) {
+        printf("  got \"%s\" (length %zu)\n", buf, len);
+    }
+}
+#define CHECK_JOB_ERROR(w, id, want) check_job_error_((w), (id), (want), __LINE__)
+
+/* ---- tests ------------------------------------------------------------------------------ */
+
+static void test_config_default(void) {
+    kvo_worker_config c;
+    memset(&c, 0xAB, sizeof c);
+    CHECK_OK(kvo_worker_config_default(&c));
+    CHECK(c.struct_size == sizeof(kvo_worker_config));
+    CHECK(c.block_size_factor == 1 && c.num_host_slots == 0 && c.threads == 4);
+    CHECK(c.backend == KVO_BACKEND_HOST && c.device == 0 && c.reserved == 0);
+    CHECK_STATUS(kvo_worker_config_default(NULL), KVO_STATUS_NULL_ARGUMENT, "out");
+}
+
+/* 1. A store job (random GPU blocks, partial first chunk) lands byte for byte in the host
+ * tier; a load job brings it back into other blocks; nothing else moves. */
+static void test_store_load(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 1);
+    tensor_t t1 = tensor_new(NBLOCKS, STRIDE1, PAGE1, 2);
+    const kvo_kv_tensor ts[2] = {t0.t, t1.t};
+    kvo_worker_config c = wcfg(FACTOR, SLOTS);
+    kvo_worker *w = NEW_WORKER(&c, ts, 2, NULL);
+    const size_t len0 = (size_t)SLOTS * PAGE0 * FACTOR, len1 = (size_t)SLOTS * PAGE1 * FACTOR;
+    uint8_t *h0 = HOST_BUF(w, 0, len0);
+    uint8_t *h1 = HOST_BUF(w, 1, len1);
+    uint8_t *img0 = calloc(1, len0), *img1 = calloc(1, len1);
+    uint8_t *want0 = malloc(t0.size), *want1 = malloc(t1.size);
+    CHECK(bytes_are(h0, img0, len0, "fresh host buffer 0 (zeroed)"));
+    CHECK(bytes_are(h1, img1, len1, "fresh host buffer 1 (zeroed)"));
+
+    /* Store 7 blocks from logical block 4 (4 % 3 == 1: the first chunk starts at sub-block 1),
+     * so (7 + 1) / 3 rounded up = 3 slots. */
+    uint32_t src[7], slots[3], dst[7];
+    random_ids(src, 7, NBLOCKS, NULL, 0);
+    random_ids(slots, 3, SLOTS, NULL, 0);
+    CHECK_OK(kvo_worker_submit_job(w, 1, KVO_JOB_KIND_STORE, src, 7, slots, 3, 4, 0));
+    done_t d = WAIT_POLL(w, 1);
+    CHECK(d.n == 1);
+    CHECK_DONE(d, 1, 1, 7 * PAGES);
+    store_image(img0, &t0, src, 7, slots, 1, FACTOR);
+    store_image(img1, &t1, src, 7, slots, 1, FACTOR);
+    CHECK(bytes_are(h0, img0, len0, "host buffer 0 after the store"));
+    CHECK(bytes_are(h1, img1, len1, "host buffer 1 after the store"));
+    /* The skipped sub-block 0 of the first slot stays as it was (zero). */
+    CHECK(h0[sub_off(slots[0], 0, PAGE0, FACTOR)] == 0);
+    CHECK(h1[sub_off(slots[0], 0, PAGE1, FACTOR)] == 0);
+    CHECK_UNTOUCHED(t0);
+    CHECK_UNTOUCHED(t1);
+
+    /* Load them back into 7 other blocks, same chunk alignment. */
+    random_ids(dst, 7, NBLOCKS, src, 7);
+    CHECK_OK(kvo_worker_submit_job(w, 2, KVO_JOB_KIND_LOAD, slots, 3, dst, 7, 4, 0));
+    d = WAIT_POLL(w, 2);
+    CHECK(d.n == 1);
+    CHECK_DONE(d, 2, 1, 7 * PAGES);
+    memcpy(want0, t0.orig, t0.size);
+    memcpy(want1, t1.orig, t1.size);
+    for (size_t i = 0; i < 7; i++) {
+        memcpy(want0 + (size_t)dst[i] * STRIDE0, orig_block(&t0, src[i]), PAGE0);
+        memcpy(want1 + (size_t)dst[i] * STRIDE1, orig_block(&t1, src[i]), PAGE1);
+    }
+    /* The loaded pages match, everything else (other blocks, stride padding) is unchanged. */
+    CHECK(tensor_is(&t0, want0));
+    CHECK(tensor_is(&t1, want1));
+    CHECK(bytes_are(h0, img0, len0, "host buffer 0 after the load"));
+    CHECK_IDLE(w);
+
+    /* A load that starts mid-slot (block_index 5: skip 2) of a single block. */
+    CHECK_OK(kvo_worker_submit_job(w, 3, KVO_JOB_KIND_LOAD, U32S(slots[2]), U32S(31), 5, 0));
+    d = WAIT_POLL(w, 3);
+    CHECK_DONE(d, 3, 1, PAGES);
+    /* Logical sub-block 2 of slot slots[2] is k = 8 of the store: beyond its 7 blocks + 1, so
+     * it holds zeros (never written). */
+    {
+        uint8_t zeros[PAGE0];
+        memset(zeros, 0, sizeof zeros);
+        CHECK(bytes_are(block(&t0, 31), zeros, PAGE0, "tensor 0 block 31"));
+        CHECK(bytes_are(block(&t1, 31), zeros, PAGE1, "tensor 1 block 31"));
+        /* tensor 1's padding after block 31's page is untouched */
+        CHECK(bytes_are(block(&t1, 31) + PAGE1, orig_block(&t1, 31) + PAGE1, STRIDE1 - PAGE1,
+                        "tensor 1 block 31 padding"));
+    }
+    /* Logical sub-block 1 of slot slots[2] (k = 7, the store's last block src[6]), factor 3:
+     * block_index 4 loads it into block 31 again. */
+    CHECK_OK(kvo_worker_submit_job(w, 4, KVO_JOB_KIND_LOAD, U32S(slots[2]), U32S(31), 7, 0));
+    d = WAIT_POLL(w, 4);
+    CHECK_DONE(d, 4, 1, PAGES);
+    CHECK(bytes_are(block(&t0, 31), orig_block(&t0, src[6]), PAGE0, "tensor 0 block 31"));
+    CHECK(bytes_are(block(&t1, 31), orig_block(&t1, src[6]), PAGE1, "tensor 1 block 31"));
+
+    /* Empty jobs complete with 0 bytes. */
+    CHECK_OK(kvo_worker_submit_job(w, 5, KVO_JOB_KIND_STORE, NULL, 0, NULL, 0, 0, 0));
+    d = WAIT_POLL(w, 5);
+    CHECK_DONE(d, 5, 1, 0);
+    CHECK_IDLE(w);
+
+    kvo_worker_free(w);
+    free(img0);
+    free(img1);
+    free(want0);
+    free(want1);
+    tensor_free(&t0);
+    tensor_free(&t1);
+}
+
+/* 2. Several jobs per direction complete in submission order; poll hands out at most `cap` and
+ * keeps the rest. */
+static void test_fifo(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 3);
+    tensor_t t1 = tensor_new(NBLOCKS, STRIDE1, PAGE1, 4);
+    const kvo_kv_tensor ts[2] = {t0.t, t1.t};
+    kvo_worker_config c = wcfg(1, SLOTS);
+    c.threads = 1;
+    kvo_worker *w = NEW_WORKER(&c, ts, 2, NULL);
+
+    /* Stores 100..107 (the first one larger), loads 200..207 interleaved with them; the loads
+     * read slots 9..15 and write blocks 17..23 and 31, which no store touches. */
+    uint32_t all[8];
+    for (uint32_t i = 0; i < 8; i++) {
+        all[i] = i;
+    }
+    CHECK_OK(kvo_worker_submit_job(w, 100, KVO_JOB_KIND_STORE, all, 8, all, 8, 0, 0));
+    for (uint32_t i = 1; i < 8; i++) {
+        CHECK_OK(kvo_worker_submit_job(w, 100 + i, KVO_JOB_KIND_STORE, U32S(i), U32S(i), 0, 0));
+        CHECK_OK(kvo_worker_submit_job(w, 200 + i, KVO_JOB_KIND_LOAD, U32S(8 + i), U32S(16 + i),
+                                       0, 0));
+    }
+    CHECK_OK(kvo_worker_submit_job(w, 200, KVO_JOB_KIND_LOAD, U32S(15), U32S(31), 0, 0));
+
+    /* Poll one at a time until all 16 arrived. */
+    uint64_t stores[8], loads[8];
+    size_t ns = 0, nl = 0, polls = 0;
+    CHECK_OK(kvo_worker_wait(w, U64S(100, 101, 102, 103, 104, 105, 106, 107, 200, 201, 202, 203,
+                                     204, 205, 206, 207),
+                             WAIT_MS));
+    while (ns + nl < 16 && polls < 100) {
+        kvo_completion one[1];
+        size_t n = 99;
+        CHECK_OK(kvo_worker_poll(w, one, 1, &n));
+        CHECK(n == 1);
+        polls++;
+        if (n != 1) {
+            break;
+        }
+        CHECK(one[0].success == 1);
+        if (one[0].job_id >= 200 && nl < 8) {
+            loads[nl++] = one[0].job_id;
+        } else if (ns < 8) {
+            stores[ns++] = one[0].job_id;
+        }
+    }
+    CHECK(ns == 8 && nl == 8);
+    int in_order = 1;
+    for (size_t i = 0; i < ns; i++) {
+        in_order &= stores[i] == 100 + i;
+    }
+    CHECK(in_order);
+    /* Loads: 201..207 were submitted before 200. */
+    CHECK(nl == 8 && loads[0] == 201 && loads[6] == 207 && loads[7] == 200);
+    for (size_t i = 0; i + 1 < 7 && nl == 8; i++) {
+        CHECK(loads[i] + 1 == loads[i + 1]);
+    }
+    CHECK_IDLE(w);
+    /* Polled ids are no longer known. */
+    CHECK_STATUS(kvo_worker_wait(w, U64S(100), WAIT_MS), KVO_STATUS_NOT_FOUND, "100");
+
+    /* A job finished but not handed out yet is still waitable, and stays pollable after a wait;
+     * poll with cap 0 (NULL out) hands out nothing. */
+    CHECK_OK(kvo_worker_submit_job(w, 300, KVO_JOB_KIND_STORE, U32S(3), U32S(3), 0, 0));
+    CHECK_OK(kvo_worker_wait(w, U64S(300), WAIT_MS));
+    CHECK_OK(kvo_worker_wait(w, U64S(300), WAIT_MS));
+    size_t n0 = 99;
+    CHECK_OK(kvo_worker_poll(w, NULL, 0, &n0));
+    CHECK(n0 == 0);
+    done_t d = WAIT_POLL(w, 300);
+    CHECK(d.n == 1);
+    CHECK_DONE(d, 300, 1, PAGES);
+    /* Waiting for nothing is fine. */
+    CHECK_OK(kvo_worker_wait(w, NULL, 0, 0));
+
+    kvo_worker_free(w);
+    tensor_free(&t0);
+    tensor_free(&t1);
+}
+
+/* 3. A job of several MiB (split across threads) is byte-exact. */
+static void test_large_job(void) {
+    const uint32_t nb = 40;
+    const uint64_t page = 128 * 1024 + 8, stride = page + 56;
+    tensor_t t = tensor_new(nb, stride, page, 5);
+    kvo_worker_config c = wcfg(1, nb);
+    c.threads = 4;
+    kvo_worker *w = NEW_WORKER(&c, &t.t, 1, NULL);
+    uint32_t src[40], dst[40];
+    random_ids(src, nb, nb, NULL, 0);
+    random_ids(dst, nb, nb, NULL, 0);
+    CHECK_OK(kvo_worker_submit_job(w, 1, KVO_JOB_KIND_STORE, src, nb, dst, nb, 0, 0));
+    done_t d = WAIT_POLL(w, 1);
+    CHECK_DONE(d, 1, 1, (uint64_t)nb * page);
+    uint8_t *h = HOST_BUF(w, 0, (size_t)nb * page);
+    int ok = 1;
+    for (uint32_t i = 0; i < nb && ok; i++) {
+        ok = bytes_are(h + (size_t)dst[i] * page, orig_block(&t, src[i]), page, "large store");
+    }
+    CHECK(ok);
+    /* Load everything back shifted by one block (slot i -> block (i + 1) % nb). */
+    uint32_t slots[40], blocks[40];
+    for (uint32_t i = 0; i < nb; i++) {
+        slots[i] = i;
+        blocks[i] = (i + 1) % nb;
+    }
+    CHECK_OK(kvo_worker_submit_job(w, 2, KVO_JOB_KIND_LOAD, slots, nb, blocks, nb, 0, 0));
+    d = WAIT_POLL(w, 2);
+    CHECK_DONE(d, 2, 1, (uint64_t)nb * page);
+    uint8_t *want = malloc(t.size);
+    memcpy(want, t.orig, t.size);
+    for (uint32_t i = 0; i < nb; i++) {
+        /* slot dst[i] holds block src[i]; it goes to block (dst[i] + 1) % nb */
+        memcpy(want + (size_t)((dst[i] + 1) % nb) * stride, orig_block(&t, src[i]), page);
+    }
+    CHECK(tensor_is(&t, want));
+    free(want);
+    kvo_worker_free(w);
+    tensor_free(&t);
+}
+
+/* ---- a whole step from the scheduler ------------------------------------------------------ */
+
+static void put_u64(uint8_t *dst, uint64_t v) {
+    for (int i = KEY_LEN - 1; i >= 0; i--) {
+        dst[i] = (uint8_t)(v & 0xff);
+        v >>= 8;
+    }
+}
+
+/* Adds request `id` of `tokens` prompt tokens hashed from `seed` (hash of block i: seed*1e6+i). */
+static void add_request(kvo_scheduler *s, uint64_t id, uint64_t seed, uint64_t tokens) {
+    uint8_t h[MAX_IDS * KEY_LEN];
+    size_t n = (size_t)(tokens / GBS);
+    for (size_t i = 0; i < n; i++) {
+        put_u64(h + i * KEY_LEN, seed * 1000000u + i);
+    }
+    CHECK_OK(kvo_scheduler_add_request(s, id, tokens, KVO_NO_LIMIT));
+    CHECK_OK(kvo_scheduler_append_block_hashes(s, id, h, n, tokens));
+}
+
+typedef struct {
+    kvo_job_info info;
+    uint32_t src[MAX_IDS], dst[MAX_IDS];
+} job_t;
+
+static job_t get_job(const kvo_step *st, size_t i) {
+    job_t j;
+    memset(&j, 0, sizeof j);
+    CHECK_OK(kvo_step_get_job(st, i, &j.info));
+    if (j.info.n_src <= MAX_IDS && j.info.n_dst <= MAX_IDS) {
+        CHECK_OK(kvo_step_get_job_blocks(st, i, j.src, j.info.n_src, j.dst, j.info.n_dst));
+    }
+    return j;
+}
+
+/* What a worker process does with a plan it received: decode, submit, wait, poll, and hand the
+ * completions back (as reports) to the scheduler. Returns the completions. */
+static done_t run_step_on_worker(kvo_scheduler *s, const kvo_step *plan, kvo_worker *w) {
+    uint8_t bytes[STEP_BYTES];
+    size_t len = 0;
+    CHECK_OK(kvo_step_encode(plan, bytes, sizeof bytes, &len));
+    kvo_step *recv = NULL;
+    CHECK_OK(kvo_step_new(&recv));
+    CHECK_OK(kvo_step_decode(recv, bytes, len));
+    kvo_step_info info;
+    memset(&info, 0, sizeof info);
+    CHECK_OK(kvo_step_get_info(recv, &info));
+    uint64_t ids[MAX_IDS];
+    for (size_t i = 0; i < info.num_jobs && i < MAX_IDS; i++) {
+        ids[i] = get_job(recv, i).info.id;
+    }
+    CHECK_OK(kvo_worker_submit_step(w, recv, 0));
+    kvo_step_free(recv); /* the worker keeps nothing of the plan */
+    done_t d = wait_poll_(w, ids, info.num_jobs, __LINE__);
+    CHECK(d.n == info.num_jobs);
+    kvo_job_report reps[MAX_DONE];
+    for (size_t i = 0; i < d.n; i++) {
+        reps[i].job_id = d.c[i].job_id;
+        reps[i].count = 1;
+        reps[i].success = d.c[i].success;
+    }
+    CHECK_OK(kvo_scheduler_complete_jobs(s, reps, d.n));
+    CHECK_OK(kvo_scheduler_check_invariants(s));
+    return d;
+}
+
+/* 4. Request 1 stores 3 chunks through a step executed by the worker; request 2 shares the
+ * prefix, hits after a 1-block GPU hit, and its load (a partial first chunk) brings the exact
+ * bytes back into its own GPU blocks. */
+static void test_scheduler_step(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 6);
+    tensor_t t1 = tensor_new(NBLOCKS, STRIDE1, PAGE1, 7);
+    const kvo_kv_tensor ts[2] = {t0.t, t1.t};
+    kvo_worker_config c = wcfg(FACTOR, SLOTS);
+    kvo_worker *w = NEW_WORKER(&c, ts, 2, NULL);
+
+    kvo_scheduler_config sc;
+    memset(&sc, 0, sizeof sc);
+    CHECK_OK(kvo_scheduler_config_default(&sc));
+    sc.key_len = KEY_LEN;
+    sc.gpu_block_size = GBS;
+    sc.block_size_factor = FACTOR;
+    sc.num_slots = SLOTS;
+    sc.offload_prompt_only = 0;
+    kvo_scheduler *s = NULL;
+    CHECK_OK(kvo_scheduler_new(&sc, &s));
+    kvo_step *st = NULL;
+    CHECK_OK(kvo_step_new(&st));
+    if (s == NULL || st == NULL) {
+        exit(1);
+    }
+
+    /* Request 1: 36 tokens = 9 GPU blocks (random ids) = 3 chunks. */
+    uint32_t b1[9], b2[10];
+    random_ids(b1, 9, NBLOCKS, NULL, 0);
+    random_ids(b2, 10, NBLOCKS, b1, 9);
+    add_request(s, 1, 3, 36);
+    kvo_match_result m = {99, 99, 99};
+    CHECK_OK(kvo_scheduler_match(s, 1, 0, &m));
+    CHECK(m.kind == KVO_MATCH_MISS);
+    uint32_t has_job = 9;
+    uint64_t job = 0;
+    CHECK_OK(kvo_scheduler_on_alloc(s, 1, b1, 9, 0, &has_job, &job));
+    CHECK(has_job == 0);
+    kvo_scheduled_request r;
+    memset(&r, 0, sizeof r);
+    r.request_id = 1;
+    r.num_scheduled_tokens = 36;
+    r.num_tokens = 36;
+    r.new_block_ids = b1;
+    r.n_new_block_ids = 9;
+    CHECK_OK(kvo_scheduler_build_step(s, &r, 1, NULL, 0, st));
+    job_t j = get_job(st, 0);
+    CHECK(j.info.kind == KVO_JOB_KIND_STORE && j.info.group_size == 9 && j.info.n_dst == 3);
+    const uint64_t store_id = j.info.id;
+    uint32_t store_slots[3] = {j.dst[0], j.dst[1], j.dst[2]};
+
+    done_t d = run_step_on_worker(s, st, w);
+    CHECK_DONE(d, store_id, 1, 9 * PAGES);
+    {
+        const size_t len0 = (size_t)SLOTS * PAGE0 * FACTOR, len1 = (size_t)SLOTS * PAGE1 * FACTOR;
+        uint8_t *img0 = calloc(1, len0), *img1 = calloc(1, len1);
+        store_image(img0, &t0, b1, 9, store_slots, 0, FACTOR);
+        store_image(img1, &t1, b1, 9, store_slots, 0, FACTOR);
+        CHECK(bytes_are(HOST_BUF(w, 0, len0), img0, len0, "host buffer 0 after the step"));
+        CHECK(bytes_are(HOST_BUF(w, 1, len1), img1, len1, "host buffer 1 after the step"));
+        free(img0);
+        free(img1);
+    }
+    CHECK_UNTOUCHED(t0);
+    CHECK_UNTOUCHED(t1);
+    CHECK_OK(kvo_scheduler_finish_request(s, 1));
+
+    /* The chunks are loadable: request 2 (40 tokens, same prefix) with one GPU block hit. */
+    add_request(s, 2, 3, 40);
+    CHECK_OK(kvo_scheduler_match(s, 2, GBS, &m));
+    CHECK(m.kind == KVO_MATCH_HIT && m.tokens == 32);
+    CHECK_OK(kvo_scheduler_on_alloc(s, 2, b2, 10, 32, &has_job, &job));
+    CHECK(has_job == 1);
+    CHECK_OK(kvo_scheduler_build_step(s, NULL, 0, NULL, 0, st));
+    j = get_job(st, 0);
+    CHECK(j.info.kind == KVO_JOB_KIND_LOAD && j.info.id == job && j.info.block_index == 1 &&
+          j.info.group_size == 8 && j.info.n_src == 3 && j.info.n_dst == 8);
+    CHECK(j.src[0] == store_slots[0] && j.src[1] == store_slots[1] && j.src[2] == store_slots[2]);
+
+    d = run_step_on_worker(s, st, w);
+    CHECK_DONE(d, job, 1, 8 * PAGES);
+    {
+        uint8_t *want0 = malloc(t0.size), *want1 = malloc(t1.size);
+        memcpy(want0, t0.orig, t0.size);
+        memcpy(want1, t1.orig, t1.size);
+        for (size_t i = 1; i < 9; i++) { /* GPU block i of request 2 = block i of request 1 */
+            memcpy(want0 + (size_t)b2[i] * STRIDE0, orig_block(&t0, b1[i]), PAGE0);
+            memcpy(want1 + (size_t)b2[i] * STRIDE1, orig_block(&t1, b1[i]), PAGE1);
+        }
+        CHECK(tensor_is(&t0, want0));
+        CHECK(tensor_is(&t1, want1));
+        free(want0);
+        free(want1);
+    }
+    kvo_scheduler_stats stats;
+    memset(&stats, 0, sizeof stats);
+    stats.struct_size = sizeof stats;
+    CHECK_OK(kvo_scheduler_get_stats(s, &stats));
+    CHECK(stats.loads_in_flight == 0 && stats.stores_in_flight == 0 && stats.failed_jobs == 0);
+    CHECK(stats.manager.pinned == 0 && stats.manager.ready == 3);
+
+    /* A plan whose block_size_factor differs from the worker's is refused, nothing submitted. */
+    kvo_worker_config c1 = wcfg(1, SLOTS);
+    kvo_worker *w1 = NEW_WORKER(&c1, ts, 2, NULL);
+    CHECK_STATUS(kvo_worker_submit_step(w1, st, 0), KVO_STATUS_INVALID_ARGUMENT,
+                 "block_size_factor");
+    CHECK_IDLE(w1);
+    /* A plan with a job id already in flight on the worker: INVALID_STATE, nothing submitted. */
+    CHECK_OK(kvo_worker_submit_job(w1, job, KVO_JOB_KIND_STORE, U32S(0), U32S(0), 0, 0));
+    kvo_worker *w3 = NEW_WORKER(&c, ts, 2, NULL);
+    uint8_t *snap0 = malloc(t0.size), *snap1 = malloc(t1.size);
+    for (size_t i = 0; i < 10; i++) { /* what the plan's load would overwrite */
+        memset(block(&t0, b2[i]), 0x5A, PAGE0);
+        memset(block(&t1, b2[i]), 0x5A, PAGE1);
+    }
+    memcpy(snap0, t0.mem, t0.size);
+    memcpy(snap1, t1.mem, t1.size);
+    CHECK_OK(kvo_worker_submit_job(w3, job, KVO_JOB_KIND_STORE, U32S(0), U32S(0), 0, 0));
+    CHECK_STATUS(kvo_worker_submit_step(w3, st, 0), KVO_STATUS_INVALID_STATE, "job_id");
+    d = WAIT_POLL(w3, job);
+    CHECK(d.n == 1);
+    CHECK_DONE(d, job, 1, PAGES);
+    CHECK_IDLE(w3);
+    CHECK(tensor_is(&t0, snap0));
+    CHECK(tensor_is(&t1, snap1));
+    free(snap0);
+    free(snap1);
+    /* An empty plan is fine whatever its factor. */
+    kvo_step *empty = NULL;
+    CHECK_OK(kvo_step_new(&empty));
+    CHECK_OK(kvo_worker_submit_step(w1, empty, 0));
+    CHECK_STATUS(kvo_worker_submit_step(NULL, empty, 0), KVO_STATUS_NULL_ARGUMENT, "worker");
+    CHECK_STATUS(kvo_worker_submit_step(w1, NULL, 0), KVO_STATUS_NULL_ARGUMENT, "step");
+    kvo_step_free(empty);
+    kvo_worker_free(w3);
+    kvo_worker_free(w1);
+
+    kvo_step_free(st);
+    kvo_scheduler_free(s);
+    kvo_worker_free(w);
+    tensor_free(&t0);
+    tensor_free(&t1);
+}
+
+/* ---- swaps and caller buffers ------------------------------------------------------------ */
+
+
+/* 5. kvo_worker_swap_blocks, synchronous and as a job, and its bad inputs. */
+static void test_swap(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 8);
+    tensor_t t1 = tensor_new(NBLOCKS, STRIDE1, PAGE1, 9);
+    tensor_t t2 = tensor_new(8, 128, PAGE0, 10); /* t0's page size, another stride */
+    const kvo_kv_tensor ts[3] = {t0.t, t1.t, t2.t};
+    kvo_worker_config c = wcfg(FACTOR, SLOTS);
+    kvo_worker *w = NEW_WORKER(&c, ts, 3, NULL);
+    uint8_t *want0 = malloc(t0.size), *want2 = malloc(t2.size);
+    memcpy(want0, t0.orig, t0.size);
+    memcpy(want2, t2.orig, t2.size);
+
+    /* Synchronous: done when the call returns, nothing to poll. */
+    const uint32_t s1[2] = {1, 5}, d1[2] = {7, 0};
+    CHECK_OK(kvo_worker_swap_blocks(w, 0, 2, s1, d1, 2, 0, 0));
+    memcpy(want2 + 7 * 128, orig_block(&t0, 1), PAGE0);
+    memcpy(want2 + 0 * 128, orig_block(&t0, 5), PAGE0);
+    CHECK(tensor_is(&t2, want2));
+    CHECK_UNTOUCHED(t0);
+    CHECK_IDLE(w);
+    /* Zero blocks: nothing happens. */
+    CHECK_OK(kvo_worker_swap_blocks(w, 0, 2, NULL, NULL, 0, 0, 0));
+    CHECK_IDLE(w);
+
+    /* As a job, within one tensor (consecutive blocks) and back from t2 into t0. */
+    const uint32_t s2[2] = {2, 3}, d2[2] = {20, 21};
+    const uint32_t s3[3] = {6, 7, 2}, d3[3] = {30, 9, 31};
+    CHECK_OK(kvo_worker_swap_blocks(w, 0, 0, s2, d2, 2, 1, 50));
+    CHECK_OK(kvo_worker_swap_blocks(w, 2, 0, s3, d3, 3, 1, 51));
+    /* A job id in flight (not polled yet) cannot be reused, by a swap or a job. */
+    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 0, s2, d2, 2, 1, 50), KVO_STATUS_INVALID_STATE,
+                 "job_id");
+    CHECK_STATUS(kvo_worker_submit_job(w, 51, KVO_JOB_KIND_STORE, U32S(0), U32S(0), 0, 0),
+                 KVO_STATUS_INVALID_STATE, "job_id");
+    done_t d = WAIT_POLL(w, 50, 51);
+    CHECK(d.n == 2);
+    CHECK_DONE(d, 50, 1, 2 * PAGE0);
+    CHECK_DONE(d, 51, 1, 3 * PAGE0);
+    memcpy(want0 + 20 * STRIDE0, orig_block(&t0, 2), PAGE0);
+    memcpy(want0 + 21 * STRIDE0, orig_block(&t0, 3), PAGE0);
+    memcpy(want0 + 30 * STRIDE0, want2 + 6 * 128, PAGE0);
+    memcpy(want0 + 9 * STRIDE0, want2 + 7 * 128, PAGE0); /* t2 block 7 = t0 block 1 by now */
+    memcpy(want0 + 31 * STRIDE0, want2 + 2 * 128, PAGE0);
+    CHECK(tensor_is(&t0, want0));
+    CHECK(tensor_is(&t2, want2));
+
+    /* Bad swaps: exact status, a message naming the argument, nothing copied or queued. */
+    const uint32_t one[1] = {0}, big[1] = {NBLOCKS}, eight[1] = {8};
+    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 1, one, one, 1, 0, 0),
+                 KVO_STATUS_INVALID_ARGUMENT, "page");
+    CHECK_STATUS(kvo_worker_swap_blocks(w, 1, 0, one, one, 1, 1, 60),
+                 KVO_STATUS_INVALID_ARGUMENT, "page");
+    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 3, one, one, 1, 0, 0),
+                 KVO_STATUS_INVALID_ARGUMENT, "dst_tensor");
+    CHECK_STATUS(kvo_worker_swap_blocks(w, 7, 0, one, one, 1, 1, 61),
+                 KVO_STATUS_INVALID_ARGUMENT, "src_tensor");
+    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 0, big, one, 1, 0, 0),
+                 KVO_STATUS_INVALID_ARGUMENT, "src_blocks");
+    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 2, one, eight, 1, 1, 62),
+                 KVO_STATUS_INVALID_ARGUMENT, "dst_blocks");
+    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 2, NULL, one, 1, 0, 0), KVO_STATUS_NULL_ARGUMENT,
+                 "src_blocks");
+    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 2, one, NULL, 1, 0, 0), KVO_STATUS_NULL_ARGUMENT,
+                 "dst_blocks");
+    CHECK_STATUS(kvo_worker_swap_blocks(NULL, 0, 2, one, one, 1, 0, 0),
+                 KVO_STATUS_NULL_ARGUMENT, "worker");
+    CHECK(tensor_is(&t0, want0));
+    CHECK(tensor_is(&t2, want2));
+    CHECK_UNTOUCHED(t1);
+    CHECK_IDLE(w);
+    /* The ids of refused swap jobs were not taken. */
+    CHECK_OK(kvo_worker_swap_blocks(w, 2, 2, one, one, 1, 0, 0)); /* onto itself */
+    CHECK_OK(kvo_worker_swap_blocks(w, 2, 2, one, one, 1, 1, 60));
+    d = WAIT_POLL(w, 60);
+    CHECK_DONE(d, 60, 1, PAGE0);
+
+    free(want0);
+    free(want2);
+    kvo_worker_free(w);
+    tensor_free(&t0);
+    tensor_free(&t1);
+    tensor_free(&t2);
+}
+
+/* 6. Caller-provided host buffers: used in place, reported back, left to the caller. */
+static void test_caller_buffers(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 11);
+    tensor_t t1 = tensor_new(NBLOCKS, STRIDE1, PAGE1, 12);
+    const kvo_kv_tensor ts[2] = {t0.t, t1.t};
+    const size_t len0 = (size_t)SLOTS * PAGE0 * FACTOR, len1 = (size_t)SLOTS * PAGE1 * FACTOR;
+    uint8_t *m0 = aligned_alloc(64, len0); /* len0 is a multiple of 64 */
+    uint8_t *m1 = malloc(len1 + 24); /* longer than needed: fine */
+    uint8_t *img0 = malloc(len0), *img1 = malloc(len1 + 24);
+    memset(m0, 0xEE, len0);
+    memset(m1, 0xDD, len1 + 24);
+    memcpy(img0, m0, len0);
+    memcpy(img1, m1, len1 + 24);
+    kvo_host_buffer hb[2] = {{m0, len0}, {m1, len1 + 24}};
+    kvo_worker_config c = wcfg(FACTOR, SLOTS);
+    kvo_worker *w = NEW_WORKER(&c, ts, 2, hb);
+    CHECK(HOST_BUF(w, 0, len0) == m0);
+    CHECK(HOST_BUF(w, 1, len1 + 24) == m1);
+    CHECK(bytes_are(m0, img0, len0, "caller buffer 0 before any job"));
+
+    /* A store of 4 blocks from logical block 2 (skip 2): slots 15 (the last one) and 0. */
+    const uint32_t src[4] = {9, 2, 30, 17}, slots[2] = {15, 0};
+    CHECK_OK(kvo_worker_submit_job(w, 1, KVO_JOB_KIND_STORE, src, 4, slots, 2, 2, 0));
+    done_t d = WAIT_POLL(w, 1);
+    CHECK_DONE(d, 1, 1, 4 * PAGES);
+    store_image(img0, &t0, src, 4, slots, 2, FACTOR);
+    store_image(img1, &t1, src, 4, slots, 2, FACTOR);
+    CHECK(bytes_are(m0, img0, len0, "caller buffer 0 after the store"));
+    CHECK(bytes_are(m1, img1, len1 + 24, "caller buffer 1 after the store (tail untouched)"));
+
+    /* Load back into blocks 0..3. */
+    const uint32_t dst[4] = {0, 1, 3, 4};
+    CHECK_OK(kvo_worker_submit_job(w, 2, KVO_JOB_KIND_LOAD, slots, 2, dst, 4, 2, 0));
+    d = WAIT_POLL(w, 2);
+    CHECK_DONE(d, 2, 1, 4 * PAGES);
+    for (size_t i = 0; i < 4; i++) {
+        CHECK(bytes_are(block(&t0, dst[i]), orig_block(&t0, src[i]), PAGE0, "loaded page"));
+        CHECK(bytes_are(block(&t1, dst[i]), orig_block(&t1, src[i]), PAGE1, "loaded page"));
+    }
+    CHECK(bytes_are(block(&t0, 2), orig_block(&t0, 2), PAGE0, "block 2 untouched"));
+    kvo_worker_free(w);
+    /* The buffers are still the caller's (valgrind flags a free by the library). */
+    CHECK(bytes_are(m0, img0, len0, "caller buffer 0 after kvo_worker_free"));
+    free(m0);
+    free(m1);
+    free(img0);
+    free(img1);
+    tensor_free(&t0);
+    tensor_free(&t1);
+}
+
+/* ---- bad input -------------------------------------------------------------------------- */
+
+/* A kvo_worker_new that must fail with `want`, name `arg`, leave `*out` and the tensors alone. */
+static void bad_new_(const kvo_worker_config *c, const kvo_kv_tensor *ts, size_t n,
+                     const kvo_host_buffer *hb, kvo_status want, const char *arg,
+                     const tensor_t *t0, const tensor_t *t1, int line, const char *what) {
+    kvo_worker *const sentinel = (kvo_worker *)(uintptr_t)0x1230;
+    kvo_worker *w = sentinel;
+    check_status(kvo_worker_new(c, ts, n, hb, &w), want, arg, line, what);
+    check(w == sentinel, line, "kvo_worker_new left *out alone");
+    if (w != sentinel && w != NULL) {
+        kvo_worker_free(w);
+    }
+    check(tensor_is(t0, t0->orig) && tensor_is(t1, t1->orig), line, "tensors unchanged");
+}
+#define BAD_NEW(c, ts, n, hb, want, arg)                                                        \
+    bad_new_((c), (ts), (n), (hb), (want), (arg), &t0, &t1, __LINE__, "kvo_worker_new")
+
+/* 7. kvo_worker_new refuses bad configs and registrations. */
+static void test_bad_new(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 13);
+    tensor_t t1 = tensor_new(NBLOCKS, STRIDE1, PAGE1, 14);
+    const kvo_kv_tensor ok[2] = {t0.t, t1.t};
+    kvo_kv_tensor ts[2];
+    const kvo_worker_config good = wcfg(FACTOR, SLOTS);
+    kvo_worker_config c;
+
+    /* NULL pointers. */
+    BAD_NEW(NULL, ok, 2, NULL, KVO_STATUS_NULL_ARGUMENT, "cfg");
+    BAD_NEW(&good, NULL, 2, NULL, KVO_STATUS_NULL_ARGUMENT, "tensors");
+    CHECK_STATUS(kvo_worker_new(&good, ok, 2, NULL, NULL), KVO_STATUS_NULL_ARGUMENT, "out");
+
+    /* Config. */
+    c = good;
+    c.struct_size = sizeof c - 1;
+    BAD_NEW(&c, ok, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "struct_size");
+    c.struct_size = 0;
+    BAD_NEW(&c, ok, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "struct_size");
+    c = good;
+    c.block_size_factor = 0;
+    BAD_NEW(&c, ok, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "block_size_factor");
+    c = good;
+    c.num_host_slots = 0;
+    BAD_NEW(&c, ok, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "num_host_slots");
+    c = good;
+    c.backend = 7;
+    BAD_NEW(&c, ok, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "backend");
+
+    /* Registrations. */
+    BAD_NEW(&good, ok, 0, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors");
+    BAD_NEW(&good, NULL, 0, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors");
+    memcpy(ts, ok, sizeof ts); /* tensor 1 starts inside tensor 0's last page */
+    ts[1].base = t0.t.base + (NBLOCKS - 1) * STRIDE0 + 8;
+    ts[1].num_blocks = 1;
+    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "overlaps");
+    memcpy(ts, ok, sizeof ts); /* the same tensor twice */
+    ts[1] = ts[0];
+    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors[1]");
+    memcpy(ts, ok, sizeof ts);
+    ts[0].page_size = 0;
+    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors[0]");
+    memcpy(ts, ok, sizeof ts);
+    ts[1].num_blocks = 0;
+    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors[1]");
+    memcpy(ts, ok, sizeof ts);
+    ts[1].block_stride = 60; /* >= page 40, not a multiple of 8 */
+    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "block_stride");
+    memcpy(ts, ok, sizeof ts);
+    ts[1].block_stride = 32; /* < page 40 */
+    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "block_stride");
+    memcpy(ts, ok, sizeof ts);
+    ts[0].base += 4; /* misaligned base */
+    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "base");
+    memcpy(ts, ok, sizeof ts);
+    ts[0].base = 0;
+    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors[0].base");
+    memcpy(ts, ok, sizeof ts);
+    ts[0].base = UINT64_MAX - 7; /* extent overflows */
+    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors[0]");
+    memcpy(ts, ok, sizeof ts);
+    ts[1].on_device = 1;
+    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors[1]");
+
+    /* Caller host buffers: too small, or NULL. */
+    const size_t len0 = (size_t)SLOTS * PAGE0 * FACTOR, len1 = (size_t)SLOTS * PAGE1 * FACTOR;
+    uint8_t *m0 = malloc(len0), *m1 = malloc(len1);
+    memset(m0, 0x11, len0);
+    memset(m1, 0x22, len1);
+    kvo_host_buffer hb[2] = {{m0, len0}, {m1, len1 - 1}};
+    BAD_NEW(&good, ok, 2, hb, KVO_STATUS_INVALID_ARGUMENT, "host_buffers[1]");
+    hb[1].len = len1;
+    hb[0].ptr = NULL;
+    BAD_NEW(&good, ok, 2, hb, KVO_STATUS_INVALID_ARGUMENT, "host_buffers[0]");
+    /* A host buffer for a factor-3 tier sized for factor 1. */
+    hb[0].ptr = m0;
+    hb[0].len = (size_t)SLOTS * PAGE0;
+    BAD_NEW(&good, ok, 2, hb, KVO_STATUS_INVALID_ARGUMENT, "host_buffers[0]");
+    {
+        int untouched = 1;
+        for (size_t i = 0; i < len0; i++) {
+            untouched &= m0[i] == 0x11;
+        }
+        for (size_t i = 0; i < len1; i++) {
+            untouched &= m1[i] == 0x22;
+        }
+        CHECK(untouched);
+    }
+    free(m0);
+    free(m1);
+
+    /* The good registration works after all these. */
+    kvo_worker *w = NEW_WORKER(&good, ok, 2, NULL);
+    kvo_worker_free(w);
+    kvo_worker_free(NULL);
+    tensor_free(&t0);
+    tensor_free(&t1);
+}
+
+/* 8. Bad calls on a live worker. */
+static void test_bad_calls(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 15);
+    tensor_t t1 = tensor_new(NBLOCKS, STRIDE1, PAGE1, 16);
+    const kvo_kv_tensor ts[2] = {t0.t, t1.t};
+    kvo_worker_config c = wcfg(FACTOR, SLOTS);
+    kvo_worker *w = NEW_WORKER(&c, ts, 2, NULL);
+    const size_t len0 = (size_t)SLOTS * PAGE0 * FACTOR, len1 = (size_t)SLOTS * PAGE1 * FACTOR;
+    uint8_t *h0 = HOST_BUF(w, 0, len0), *h1 = HOST_BUF(w, 1, len1);
+    uint8_t *zero = calloc(1, len0);
+    const uint32_t two[2] = {1, 2};
+
+    /* Refused at submit: NULL arguments and unknown kinds. */
+    CHECK_STATUS(kvo_worker_submit_job(NULL, 1, KVO_JOB_KIND_STORE, two, 2, two, 1, 0, 0),
+                 KVO_STATUS_NULL_ARGUMENT, "worker");
+    CHECK_STATUS(kvo_worker_submit_job(w, 1, KVO_JOB_KIND_STORE, NULL, 2, two, 1, 0, 0),
+                 KVO_STATUS_NULL_ARGUMENT, "src");
+    CHECK_STATUS(kvo_worker_submit_job(w, 1, KVO_JOB_KIND_STORE, two, 2, NULL, 1, 0, 0),
+                 KVO_STATUS_NULL_ARGUMENT, "dst");
+    CHECK_STATUS(kvo_worker_submit_job(w, 1, 2, two, 2, two, 1, 0, 0),
+                 KVO_STATUS_INVALID_ARGUMENT, "kind");
+    CHECK_IDLE(w);
+    /* ... which took no job id. */
+    CHECK_STATUS(kvo_worker_wait(w, U64S(1), WAIT_MS), KVO_STATUS_NOT_FOUND, "job_ids[0]");
+
+    /* Accepted at submit, failed at poll: block ids outside the registration. */
+    CHECK_OK(kvo_worker_submit_job(w, 10, KVO_JOB_KIND_STORE, U32S(3, 99), U32S(4), 0, 0));
+    CHECK_OK(kvo_worker_submit_job(w, 11, KVO_JOB_KIND_LOAD, U32S(4), U32S(5, 1234567), 0, 0));
+    CHECK_OK(kvo_worker_submit_job(w, 12, KVO_JOB_KIND_STORE, U32S(3), U32S(SLOTS), 0, 0));
+    CHECK_OK(kvo_worker_submit_job(w, 13, KVO_JOB_KIND_STORE, U32S(3, 4), U32S(1, 2), 0, 0));
+    CHECK_OK(kvo_worker_submit_job(w, 14, KVO_JOB_KIND_LOAD, U32S(SLOTS + 5), U32S(0), 0, 0));
+    /* The error is kept only once the completion was handed out. */
+    char buf[256];
+    size_t len = 77;
+    CHECK_STATUS(kvo_worker_job_error(w, 10, buf, sizeof buf, &len), KVO_STATUS_NOT_FOUND,
+                 "10");
+    CHECK(len == 77);
+    /* Failed job ids are in flight until polled. */
+    CHECK_STATUS(kvo_worker_submit_job(w, 10, KVO_JOB_KIND_STORE, U32S(3), U32S(4), 0, 0),
+                 KVO_STATUS_INVALID_STATE, "job_id");
+    done_t d = WAIT_POLL(w, 10, 11, 12, 13, 14);
+    CHECK(d.n == 5);
+    CHECK_DONE(d, 10, 0, 0);
+    CHECK_DONE(d, 11, 0, 0);
+    CHECK_DONE(d, 12, 0, 0);
+    CHECK_DONE(d, 13, 0, 0);
+    CHECK_DONE(d, 14, 0, 0);
+    CHECK_JOB_ERROR(w, 10, "99");
+    CHECK_JOB_ERROR(w, 11, "1234567");
+    CHECK_JOB_ERROR(w, 12, "16");
+    CHECK_JOB_ERROR(w, 13, "slot");
+    CHECK_JOB_ERROR(w, 14, "21");
+    /* Nothing was copied by the failed jobs. */
+    CHECK(bytes_are(h0, zero, len0, "host buffer 0"));
+    CHECK(bytes_are(h1, zero, len1, "host buffer 1"));
+    CHECK_UNTOUCHED(t0);
+    CHECK_UNTOUCHED(t1);
+    CHECK_IDLE(w);
+
+    /* kvo_worker_job_error: truncation, sizing, bad arguments, unknown jobs. */
+    {
+        char small[6];
+        size_t full = 0, full2 = 0;
+        memset(small, 'x', sizeof small);
+        CHECK_OK(kvo_worker_job_error(w, 10, buf, sizeof buf, &full));
+        CHECK_OK(kvo_worker_job_error(w, 10, small, sizeof small, &full2));
+        CHECK(full2 == full && full == strlen(buf) && full > 5);
+        CHECK(small[5] == '\0' && memcmp(small, buf, 5) == 0);
+        full2 = 0;
+        CHECK_OK(kvo_worker_job_error(w, 10, NULL, 0, &full2)); /* sizing call */
+        CHECK(full2 == full);
+        len = 77;
+        CHECK_STATUS(kvo_worker_job_error(w, 10, NULL, 8, &len), KVO_STATUS_NULL_ARGUMENT, "buf");
+        CHECK(len == 77);
+        CHECK_STATUS(kvo_worker_job_error(w, 10, buf, sizeof buf, NULL),
+                     KVO_STATUS_NULL_ARGUMENT, "out_len");
+        CHECK_STATUS(kvo_worker_job_error(NULL, 10, buf, sizeof buf, &len),
+                     KVO_STATUS_NULL_ARGUMENT, "worker");
+        CHECK_STATUS(kvo_worker_job_error(w, 777, buf, sizeof buf, &len), KVO_STATUS_NOT_FOUND,
+                     "777");
+        CHECK(len == 77);
+    }
+    /* A successful job has no error message. */
+    CHECK_OK(kvo_worker_submit_job(w, 20, KVO_JOB_KIND_STORE, U32S(3), U32S(4), 0, 0));
+    /* Duplicate in-flight id. */
+    CHECK_STATUS(kvo_worker_submit_job(w, 20, KVO_JOB_KIND_LOAD, U32S(4), U32S(5), 0, 0),
+                 KVO_STATUS_INVALID_STATE, "job_id");
+    d = WAIT_POLL(w, 20);
+    CHECK(d.n == 1);
+    CHECK_DONE(d, 20, 1, PAGES);
+    CHECK_STATUS(kvo_worker_job_error(w, 20, buf, sizeof buf, &len), KVO_STATUS_NOT_FOUND, "20");
+    CHECK_UNTOUCHED(t0); /* the refused duplicate (a load into block 5) did not run */
+    /* Once polled, the id may be used again. */
+    CHECK_OK(kvo_worker_submit_job(w, 20, KVO_JOB_KIND_STORE, U32S(3), U32S(4), 0, 0));
+    d = WAIT_POLL(w, 20);
+    CHECK_DONE(d, 20, 1, PAGES);
+
+    /* kvo_worker_wait. */
+    CHECK_STATUS(kvo_worker_wait(w, U64S(777), WAIT_MS), KVO_STATUS_NOT_FOUND, "777");
+    CHECK_STATUS(kvo_worker_wait(w, U64S(20), WAIT_MS), KVO_STATUS_NOT_FOUND, "20"); /* polled */
+    CHECK_STATUS(kvo_worker_wait(w, NULL, 1, WAIT_MS), KVO_STATUS_NULL_ARGUMENT, "job_ids");
+    CHECK_STATUS(kvo_worker_wait(NULL, U64S(20), WAIT_MS), KVO_STATUS_NULL_ARGUMENT, "worker");
+
+    /* kvo_worker_poll: a refused poll hands nothing out and loses nothing. */
+    CHECK_OK(kvo_worker_submit_job(w, 30, KVO_JOB_KIND_STORE, U32S(3), U32S(5), 0, 0));
+    CHECK_OK(kvo_worker_wait(w, U64S(30), WAIT_MS));
+    size_t n = 99;
+    kvo_completion cs[2];
+    CHECK_STATUS(kvo_worker_poll(w, cs, 2, NULL), KVO_STATUS_NULL_ARGUMENT, "out_n");
+    CHECK_STATUS(kvo_worker_poll(w, NULL, 2, &n), KVO_STATUS_NULL_ARGUMENT, "out");
+    CHECK(n == 99);
+    CHECK_STATUS(kvo_worker_poll(NULL, cs, 2, &n), KVO_STATUS_NULL_ARGUMENT, "worker");
+    CHECK(n == 99);
+    d = WAIT_POLL(w, 30);
+    CHECK(d.n == 1);
+    CHECK_DONE(d, 30, 1, PAGES);
+
+    /* kvo_worker_get_host_buffer. */
+    void *p = (void *)(uintptr_t)0x40;
+    size_t plen = 55;
+    CHECK_STATUS(kvo_worker_get_host_buffer(w, 2, &p, &plen), KVO_STATUS_INVALID_ARGUMENT,
+                 "tensor");
+    CHECK_STATUS(kvo_worker_get_host_buffer(w, 0, NULL, &plen), KVO_STATUS_NULL_ARGUMENT,
+                 "out_ptr");
+    CHECK_STATUS(kvo_worker_get_host_buffer(w, 0, &p, NULL), KVO_STATUS_NULL_ARGUMENT,
+                 "out_len");
+    CHECK_STATUS(kvo_worker_get_host_buffer(NULL, 0, &p, &plen), KVO_STATUS_NULL_ARGUMENT,
+                 "worker");
+    CHECK(p == (void *)(uintptr_t)0x40 && plen == 55);
+
+    /* kvo_worker_shutdown: finishes what is in flight, keeps it pollable, refuses the rest. */
+    CHECK_OK(kvo_worker_submit_job(w, 40, KVO_JOB_KIND_STORE, U32S(6, 7, 8), U32S(9), 0, 0));
+    CHECK_OK(kvo_worker_wait(w, U64S(40), WAIT_MS)); /* the lanes are independent */
+    CHECK_OK(kvo_worker_submit_job(w, 41, KVO_JOB_KIND_LOAD, U32S(9), U32S(10, 11, 12), 0, 0));
+    CHECK_OK(kvo_worker_shutdown(w));
+    CHECK_STATUS(kvo_worker_submit_job(w, 42, KVO_JOB_KIND_STORE, U32S(6), U32S(9), 0, 0),
+                 KVO_STATUS_INVALID_STATE, "shut down");
+    const uint32_t one[1] = {3}, other[1] = {13};
+    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 0, one, other, 1, 0, 0), KVO_STATUS_INVALID_STATE,
+                 "shut down");
+    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 0, one, other, 1, 1, 43), KVO_STATUS_INVALID_STATE,
+                 "shut down");
+    CHECK(bytes_are(block(&t0, 13), orig_block(&t0, 13), PAGE0, "block 13 after the swaps"));
+    CHECK_OK(kvo_worker_shutdown(w)); /* again: harmless */
+    d = WAIT_POLL(w, 40, 41);
+    CHECK(d.n == 2);
+    CHECK_DONE(d, 40, 1, 3 * PAGES);
+    CHECK_DONE(d, 41, 1, 3 * PAGES);
+    /* Both ran to the end (the load read what the store wrote). */
+    CHECK(bytes_are(block(&t0, 10), orig_block(&t0, 6), PAGE0, "block 10"));
+    CHECK(bytes_are(block(&t1, 12), orig_block(&t1, 8), PAGE1, "block 12"));
+    CHECK_STATUS(kvo_worker_wait(w, U64S(42), WAIT_MS), KVO_STATUS_NOT_FOUND, "42");
+    CHECK_STATUS(kvo_worker_shutdown(NULL), KVO_STATUS_NULL_ARGUMENT, "worker");
+
+    free(zero);
+    kvo_worker_free(w);
+    tensor_free(&t0);
+    tensor_free(&t1);
+}
+
+/* 9. A submitted step after shutdown is refused. */
+static void test_step_after_shutdown(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 17);
+    kvo_worker_config c = wcfg(FACTOR, SLOTS);
+    kvo_worker *w = NEW_WORKER(&c, &t0.t, 1, NULL);
+    kvo_scheduler_config sc;
+    memset(&sc, 0, sizeof sc);
+    CHECK_OK(kvo_scheduler_config_default(&sc));
+    sc.key_len = KEY_LEN;
+    sc.gpu_block_size = GBS;
+    sc.block_size_factor = FACTOR;
+    sc.num_slots = SLOTS;
+    sc.offload_prompt_only = 0;
+    kvo_scheduler *s = NULL;
+    kvo_step *st = NULL;
+    CHECK_OK(kvo_scheduler_new(&sc, &s));
+    CHECK_OK(kvo_step_new(&st));
+    if (s == NULL || st == NULL) {
+        exit(1);
+    }
+    add_request(s, 1, 5, 12);
+    kvo_match_result m;
+    CHECK_OK(kvo_scheduler_match(s, 1, 0, &m));
+    uint32_t has_job = 0;
+    uint64_t job = 0;
+    const uint32_t b[3] = {4, 2, 9};
+    CHECK_OK(kvo_scheduler_on_alloc(s, 1, b, 3, 0, &has_job, &job));
+    kvo_scheduled_request r;
+    memset(&r, 0, sizeof r);
+    r.request_id = 1;
+    r.num_scheduled_tokens = 12;
+    r.num_tokens = 12;
+    r.new_block_ids = b;
+    r.n_new_block_ids = 3;
+    CHECK_OK(kvo_scheduler_build_step(s, &r, 1, NULL, 0, st));
+    kvo_step_info info;
+    CHECK_OK(kvo_step_get_info(st, &info));
+    CHECK(info.num_jobs == 1);
+    CHECK_OK(kvo_worker_shutdown(w));
+    CHECK_STATUS(kvo_worker_submit_step(w, st, 0), KVO_STATUS_INVALID_STATE, "shut down");
+    CHECK_IDLE(w);
+    void *p = NULL;
+    size_t len = 0;
+    CHECK_OK(kvo_worker_get_host_buffer(w, 0, &p, &len)); /* still readable */
+    kvo_step_free(st);
+    kvo_scheduler_free(s);
+    kvo_worker_free(w);
+    tensor_free(&t0);
+}
+
+/* 10. CUDA: absent here; asking for it fails cleanly. */
+static void test_cuda(void) {
+    int32_t avail = kvo_cuda_available();
+    CHECK(avail == 0 || avail == 1);
+    CHECK(kvo_cuda_available() == avail); /* stable */
+    tensor_t t0 = tensor_new(4, STRIDE0, PAGE0, 18);
+    kvo_worker_config c = wcfg(1, 4);
+    c.backend = KVO_BACKEND_CUDA;
+    kvo_worker *const sentinel = (kvo_worker *)(uintptr_t)0x1230;
+    kvo_worker *w = sentinel;
+    kvo_status st = kvo_worker_new(&c, &t0.t, 1, NULL, &w);
+    if (st == KVO_STATUS_OK) {
+        printf("note: a CUDA device is usable here; the CUDA_UNAVAILABLE check is skipped\n");
+        CHECK(avail == 1);
+        kvo_worker_free(w);
+    } else {
+        check_status(st, KVO_STATUS_CUDA_UNAVAILABLE, NULL, __LINE__,
+                     "kvo_worker_new(backend CUDA)");
+        CHECK(w == sentinel);
+        CHECK(avail == 0);
+    }
+    CHECK_UNTOUCHED(t0);
+    tensor_free(&t0);
+}
+
+int main(void) {
+    test_config_default();
+    test_store_load();
+    test_fifo();
+    test_large_job();
+    test_scheduler_step();
+    test_swap();
+    test_caller_buffers();
+    test_bad_new();
+    test_bad_calls();
+    test_step_after_shutdown();
+    test_cuda();
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed == 0 ? 0 : 1;
+}
