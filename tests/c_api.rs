@@ -183,3 +183,20 @@ fn worker_api_from_c() {
     let out = build_and_run("worker.c");
     assert_all_passed("worker.c", &out);
 }
+
+/// The README's C example is `c_tests/readme_example.c` (after its first comment line), and it
+/// compiles and runs: the README stays true.
+#[test]
+fn readme_c_example_is_the_tested_program() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
+    let block = readme
+        .split("```c\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("README.md has a ```c block");
+    let file = std::fs::read_to_string(format!("{root}/c_tests/readme_example.c")).unwrap();
+    let body = file.split_once('\n').map(|(_, b)| b).unwrap_or("");
+    assert_eq!(block, body, "README.md's C example and c_tests/readme_example.c differ");
+    build_and_run("readme_example.c");
+}
