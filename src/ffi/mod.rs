@@ -84,7 +84,7 @@ fn set_last_error(message: String) {
 /// Runs an exported function's body: clears the last error, maps a failure to its status and
 /// message, and turns a panic into `KVO_STATUS_PANIC` instead of unwinding into the host.
 pub(crate) fn guard(f: impl FnOnce() -> FfiResult) -> kvo_status {
-    set_last_error(String::new());
+    LAST_ERROR.with(|e| e.borrow_mut().clear());
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => kvo_status::Ok,
         Ok(Err(fail)) => {
