@@ -19,7 +19,9 @@
  * may only be freed.
  *
  * Keys are fixed-width byte strings (key_len bytes, chosen at creation) passed as one flat buffer
- * of n_keys * key_len bytes. The library never keeps pointers to caller memory past a call.
+ * of n_keys * key_len bytes. Output buffers must not overlap each other or the inputs. The library
+ * keeps no pointer to caller memory past a call, except the memory registered with a worker (KV
+ * tensors, caller host buffers), which must stay valid until kvo_worker_free.
  */
 #if defined(__GNUC__) || defined(__clang__)
 #define KVO_NODISCARD __attribute__((warn_unused_result))
@@ -1391,7 +1393,7 @@ kvo_status kvo_worker_new(const struct kvo_worker_config *cfg,
                           struct kvo_worker **out);
 
 /**
- * Finishes the jobs in flight (waiting up to a minute), releases the host tier and frees the
+ * Waits for the jobs in flight to finish, releases the host tier and frees the
  * worker. NULL is ignored. Must not race with other calls on the same handle.
  *
  * # Safety
@@ -1424,12 +1426,16 @@ kvo_status kvo_worker_submit_job(struct kvo_worker *w,
                                  uint64_t compute_stream);
 
 /**
- * Submits every job of a step plan (from `kvo_scheduler_build_step` or `kvo_step_decode`),
- * loads first. `compute_stream` as for `kvo_worker_submit_job`.
+ * Executes a step plan (from `kvo_scheduler_build_step` or `kvo_step_decode`): first blocks
+ * until the plan's flush set has finished (jobs of earlier steps that must not overlap this
+ * step's copies or forward pass; ids already finished and handed out are skipped), then submits
+ * every job, loads first. `compute_stream` as for `kvo_worker_submit_job`. When it returns, the
+ * forward pass may run.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if the plan's
- * block_size_factor differs from the worker's; `KVO_STATUS_INVALID_STATE` if a job id is in
- * flight or after shutdown (then nothing is submitted).
+ * block_size_factor differs from the worker's; `KVO_STATUS_INVALID_STATE` if a job id is in use
+ * or repeated in the plan, or after shutdown (then nothing is submitted); `KVO_STATUS_CUDA_ERROR`
+ * if the driver fails while waiting.
  *
  * # Safety
  * `w`, `step` NULL or live.
@@ -1476,8 +1482,8 @@ kvo_status kvo_worker_job_error(const struct kvo_worker *w,
                                 size_t *out_len);
 
 /**
- * Blocks until every listed job has finished (the flush before a forward pass), or
- * `timeout_ms` passes. Completions remain to be polled.
+ * Blocks until every listed job has finished, or `timeout_ms` passes. Completions remain to be
+ * polled. (`kvo_worker_submit_step` already waits for a plan's flush set.)
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an id never
  * submitted or already handed out by `kvo_worker_poll`; `KVO_STATUS_TIMEOUT`;
@@ -1497,9 +1503,13 @@ kvo_status kvo_worker_wait(struct kvo_worker *w,
  * `dst_tensor` (indices into the registration; equal page sizes). With `as_job` non-zero the copy
  * is queued as job `job_id` and reported by `kvo_worker_poll`; otherwise it runs now.
  *
+ * The copies have no order among themselves, so within one tensor a block may not be both a
+ * source and a destination.
+ *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for tensor
- * indices, block ids or page sizes that do not fit; `KVO_STATUS_INVALID_STATE` for a job id in
- * flight or after shutdown; `KVO_STATUS_CUDA_ERROR`.
+ * indices, block ids or page sizes that do not fit, or a block both read and written;
+ * `KVO_STATUS_INVALID_STATE` for a job id in use or after shutdown; `KVO_STATUS_CUDA_ERROR` when
+ * the driver rejects or fails the copy.
  *
  * # Safety
  * `w` NULL or live; `src_blocks`, `dst_blocks` NULL or `n` readable entries.

@@ -2,8 +2,9 @@
 //! bring it back.
 //!
 //! Layers (see `DESIGN.md`): [`manager`] indexes the offload tier (slots, LRU/ARC eviction,
-//! events); [`ffi`] is the C ABI over it. The Rust API is the same set of operations without the
-//! pointer checks.
+//! events); [`scheduler`] decides what to load and store each step (matching, deferral, jobs,
+//! step plans); [`transfer`] copies the bytes (host and CUDA backends); [`ffi`] is the C ABI over
+//! them. The Rust API is the same set of operations without the pointer checks.
 
 pub mod error;
 pub mod ffi;

@@ -197,6 +197,9 @@ fn readme_c_example_is_the_tested_program() {
         .expect("README.md has a ```c block");
     let file = std::fs::read_to_string(format!("{root}/c_tests/readme_example.c")).unwrap();
     let body = file.split_once('\n').map(|(_, b)| b).unwrap_or("");
-    assert_eq!(block, body, "README.md's C example and c_tests/readme_example.c differ");
+    assert_eq!(
+        block, body,
+        "README.md's C example and c_tests/readme_example.c differ"
+    );
     build_and_run("readme_example.c");
 }

@@ -934,8 +934,13 @@ class RandomSequenceTest(unittest.TestCase):
                 s.check_invariants()
             except KvoError as e:
                 self.fail(f"seed {seed}: {e!r}; last calls: {log[-20:]}")
-        # Drain: every job reported by every worker (reports of jobs done or from before a
-        # reset are refused or ignored), every request finished.
+        # Drain: a last step ships the loads made since the previous one; then every job is
+        # reported by every worker (reports of jobs done or from before a reset are refused or
+        # ignored) and every request finished.
+        st = call("build_step", [], [])
+        if isinstance(st, Step):
+            jobs.update(j.id for j in st.jobs)
+            st.close()
         for j in sorted(jobs):
             for _ in range(workers):
                 call("complete_jobs", [(j, 1, True)])

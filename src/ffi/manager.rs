@@ -195,7 +195,7 @@ pub unsafe extern "C" fn kvo_manager_new(
         // SAFETY: forwarded from the caller.
         let c = unsafe { read_config(cfg, "cfg") }?;
         non_null(out, "out")?;
-        let m = Manager::new(to_config(&c)?).map_err(|e| Failure::invalid(format!("cfg->{e}")))?;
+        let m = Manager::new(to_config(&c)?).map_err(|e| Failure::from(e).prefixed("cfg->"))?;
         write(
             out,
             Box::into_raw(Box::new(kvo_manager {

@@ -281,6 +281,16 @@ pub(crate) unsafe fn copy_events(
     Ok(())
 }
 
+/// Copies `msg` into `out` NUL-terminated, truncated to `out.len() - 1` bytes (nothing if `out`
+/// is empty).
+pub(crate) fn copy_c_string(msg: &str, out: &mut [u8]) {
+    if let Some(room) = out.len().checked_sub(1) {
+        let n = msg.len().min(room);
+        out[..n].copy_from_slice(&msg.as_bytes()[..n]);
+        out[n] = 0;
+    }
+}
+
 /// Copies the calling thread's last error message into `buf` (NUL-terminated, truncated to
 /// `len - 1` bytes) and returns the message's full length without the NUL, so a caller can size
 /// its buffer. An empty message means the thread's last call succeeded. `buf` may be NULL when
@@ -293,13 +303,11 @@ pub unsafe extern "C" fn kvo_last_error_message(buf: *mut c_char, len: usize) ->
     catch_unwind(|| {
         LAST_ERROR.with(|e| {
             let msg = e.borrow();
-            if !buf.is_null() && len > 0 {
-                let n = msg.len().min(len - 1);
-                // SAFETY: `buf` holds `len` bytes and `n < len`.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(msg.as_ptr(), buf as *mut u8, n);
-                    *buf.add(n) = 0;
-                }
+            if !buf.is_null() {
+                // SAFETY: `buf` holds `len` writable bytes.
+                copy_c_string(&msg, unsafe {
+                    std::slice::from_raw_parts_mut(buf as *mut u8, len)
+                });
             }
             msg.len()
         })

@@ -5,7 +5,6 @@ use super::{
     Failure, copy_events, guard, handle, kvo_event, kvo_manager_stats, kvo_status, kvo_step, lock,
     non_null, read_config, slice, write, write_sized,
 };
-use crate::manager::ManagerConfig;
 use crate::scheduler::{
     DeferReason, JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig,
 };
@@ -209,7 +208,6 @@ pub unsafe extern "C" fn kvo_scheduler_config_default(
 
 fn to_config(c: &kvo_scheduler_config) -> Result<SchedulerConfig, Failure> {
     let policy = policy_from(c.policy)?;
-    let m = ManagerConfig::default();
     Ok(SchedulerConfig {
         key_len: c.key_len as usize,
         gpu_block_size: c.gpu_block_size,
@@ -221,7 +219,7 @@ fn to_config(c: &kvo_scheduler_config) -> Result<SchedulerConfig, Failure> {
         num_workers: c.num_workers,
         offload_prompt_only: c.offload_prompt_only != 0,
         store_threshold: c.store_threshold,
-        max_tracker_size: usize::try_from(c.max_tracker_size).unwrap_or(m.max_tracker_size),
+        max_tracker_size: usize::try_from(c.max_tracker_size).unwrap_or(usize::MAX),
         enable_events: c.enable_events != 0,
     })
 }
@@ -245,8 +243,7 @@ pub unsafe extern "C" fn kvo_scheduler_new(
         // SAFETY: forwarded from the caller.
         let c = unsafe { read_config(cfg, "cfg") }?;
         non_null(out, "out")?;
-        let s =
-            Scheduler::new(to_config(&c)?).map_err(|e| Failure::invalid(format!("cfg->{e}")))?;
+        let s = Scheduler::new(to_config(&c)?).map_err(|e| Failure::from(e).prefixed("cfg->"))?;
         write(
             out,
             Box::into_raw(Box::new(kvo_scheduler {

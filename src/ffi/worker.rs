@@ -1,8 +1,8 @@
 //! `kvo_worker_*`: block copies ([`crate::transfer::Worker`]) behind a C handle.
 
 use super::{
-    Failure, guard, handle, kvo_status, kvo_step, lock, non_null, read_config, slice, slice_mut,
-    write,
+    Failure, copy_c_string, guard, handle, kvo_status, kvo_step, lock, non_null, read_config,
+    slice, slice_mut, write,
 };
 use crate::scheduler::JobKind;
 use crate::transfer::{BackendKind, Completion, JobBlocks, KvTensor, Worker, WorkerConfig};
@@ -222,7 +222,7 @@ pub unsafe extern "C" fn kvo_worker_new(
     })
 }
 
-/// Finishes the jobs in flight (waiting up to a minute), releases the host tier and frees the
+/// Waits for the jobs in flight to finish, releases the host tier and frees the
 /// worker. NULL is ignored. Must not race with other calls on the same handle.
 ///
 /// # Safety
@@ -289,12 +289,16 @@ pub unsafe extern "C" fn kvo_worker_submit_job(
     })
 }
 
-/// Submits every job of a step plan (from `kvo_scheduler_build_step` or `kvo_step_decode`),
-/// loads first. `compute_stream` as for `kvo_worker_submit_job`.
+/// Executes a step plan (from `kvo_scheduler_build_step` or `kvo_step_decode`): first blocks
+/// until the plan's flush set has finished (jobs of earlier steps that must not overlap this
+/// step's copies or forward pass; ids already finished and handed out are skipped), then submits
+/// every job, loads first. `compute_stream` as for `kvo_worker_submit_job`. When it returns, the
+/// forward pass may run.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if the plan's
-/// block_size_factor differs from the worker's; `KVO_STATUS_INVALID_STATE` if a job id is in
-/// flight or after shutdown (then nothing is submitted).
+/// block_size_factor differs from the worker's; `KVO_STATUS_INVALID_STATE` if a job id is in use
+/// or repeated in the plan, or after shutdown (then nothing is submitted); `KVO_STATUS_CUDA_ERROR`
+/// if the driver fails while waiting.
 ///
 /// # Safety
 /// `w`, `step` NULL or live.
@@ -399,18 +403,14 @@ pub unsafe extern "C" fn kvo_worker_job_error(
             })?;
         // SAFETY: forwarded from the caller.
         let out = unsafe { slice_mut(buf as *mut u8, len, "buf") }?;
-        if let Some(room) = len.checked_sub(1) {
-            let n = msg.len().min(room);
-            out[..n].copy_from_slice(&msg.as_bytes()[..n]);
-            out[n] = 0;
-        }
+        copy_c_string(msg, out);
         write(out_len, msg.len());
         Ok(())
     })
 }
 
-/// Blocks until every listed job has finished (the flush before a forward pass), or
-/// `timeout_ms` passes. Completions remain to be polled.
+/// Blocks until every listed job has finished, or `timeout_ms` passes. Completions remain to be
+/// polled. (`kvo_worker_submit_step` already waits for a plan's flush set.)
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an id never
 /// submitted or already handed out by `kvo_worker_poll`; `KVO_STATUS_TIMEOUT`;
@@ -440,9 +440,13 @@ pub unsafe extern "C" fn kvo_worker_wait(
 /// `dst_tensor` (indices into the registration; equal page sizes). With `as_job` non-zero the copy
 /// is queued as job `job_id` and reported by `kvo_worker_poll`; otherwise it runs now.
 ///
+/// The copies have no order among themselves, so within one tensor a block may not be both a
+/// source and a destination.
+///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for tensor
-/// indices, block ids or page sizes that do not fit; `KVO_STATUS_INVALID_STATE` for a job id in
-/// flight or after shutdown; `KVO_STATUS_CUDA_ERROR`.
+/// indices, block ids or page sizes that do not fit, or a block both read and written;
+/// `KVO_STATUS_INVALID_STATE` for a job id in use or after shutdown; `KVO_STATUS_CUDA_ERROR` when
+/// the driver rejects or fails the copy.
 ///
 /// # Safety
 /// `w` NULL or live; `src_blocks`, `dst_blocks` NULL or `n` readable entries.

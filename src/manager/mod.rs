@@ -541,17 +541,14 @@ impl Manager {
         if let PolicyImpl::Arc(a) = &mut self.policy {
             a.evict(&self.scratch_victims, &self.keys);
         }
-        for (j, &s) in self.scratch_victims.iter().enumerate() {
+        for j in 0..self.scratch_victims.len() {
+            let s = self.scratch_victims[j];
             let key = self.keys.key(s);
             keys::copy_key(&mut out_evicted[j * kl..(j + 1) * kl], key);
             if self.cfg.enable_events {
                 self.events.push_key(key);
             }
-            if let PolicyImpl::Lru(l) = &mut self.policy {
-                l.remove(s);
-            }
-            self.keys.remove_id(s);
-            self.pool.release(s);
+            self.free_slot(s);
         }
         if self.cfg.enable_events {
             self.events.end_record(true);
@@ -559,6 +556,16 @@ impl Manager {
         let n = self.scratch_victims.len() as u64;
         self.stats.evictable -= n;
         self.stats.evictions += n;
+    }
+
+    /// Drops slot `s`'s key from the policy and the index and frees the slot.
+    fn free_slot(&mut self, s: u32) {
+        match &mut self.policy {
+            PolicyImpl::Lru(l) => l.remove(s),
+            PolicyImpl::Arc(a) => a.remove(s),
+        }
+        self.keys.remove_id(s);
+        self.pool.release(s);
     }
 
     fn next_epoch(&mut self) {
@@ -592,13 +599,8 @@ impl Manager {
                     self.events.push_key(key);
                 }
             } else {
-                match &mut self.policy {
-                    PolicyImpl::Lru(l) => l.remove(s),
-                    PolicyImpl::Arc(a) => a.remove(s),
-                }
-                self.keys.remove_id(s);
                 self.ref_cnt[s as usize] = 0;
-                self.pool.release(s);
+                self.free_slot(s);
             }
         }
         if success && self.cfg.enable_events {
@@ -630,15 +632,10 @@ impl Manager {
             if self.ref_cnt[s as usize] != 0 {
                 continue;
             }
-            match &mut self.policy {
-                PolicyImpl::Lru(l) => l.remove(s),
-                PolicyImpl::Arc(a) => a.remove(s),
-            }
             if self.cfg.enable_events {
                 self.events.push_key(key);
             }
-            self.keys.remove_id(s);
-            self.pool.release(s);
+            self.free_slot(s);
             self.stats.evictable -= 1;
             dropped += 1;
         }

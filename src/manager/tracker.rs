@@ -32,7 +32,7 @@ impl Tracker {
     /// evicts the least recent entry when the tracker is full.
     pub fn record(&mut self, hash: u64, key: &[u8]) {
         if let Some(id) = self.keys.find_hashed(hash, key) {
-            self.counts[id as usize] += 1;
+            self.counts[id as usize] = self.counts[id as usize].saturating_add(1);
             self.links.move_to_back(&mut self.list, id);
             return;
         }

@@ -27,4 +27,6 @@ pub(crate) struct Job {
     /// Loads: tokens `[from, to)` the job fills, to recompute if it fails.
     pub gpu_blocks: Vec<u32>,
     pub tokens: (u64, u64),
+    /// The first chunk the job moves: a failed job makes its request offer chunks again from here.
+    pub first_chunk: u64,
 }

@@ -385,6 +385,7 @@ impl Scheduler {
         if num_external_tokens == 0 {
             // Recorded even without a load (vLLM #46951): these blocks may be reused ones.
             self.allocated.extend_from_slice(block_ids);
+            self.requests.get_mut(&id).expect("checked").matched_hit = None;
             return Ok(None);
         }
         if !r.jobs.is_empty() {
@@ -425,11 +426,7 @@ impl Scheduler {
         );
         // Another request's load may have pinned these chunks since the match: loading them
         // twice is what `Defer(BeingLoaded)` prevents, so the host must match again.
-        if self.manager.stats().pinned > 0
-            && keys
-                .chunks_exact(kl)
-                .any(|k| self.manager.ref_count(k).is_some_and(|rc| rc > 0))
-        {
+        if being_loaded(&self.manager, keys, kl) {
             return Err(Error::InvalidState(format!(
                 "request_id: {id}: its hit is being loaded by another request; match it again"
             )));
@@ -455,6 +452,7 @@ impl Scheduler {
             keys: take_filled(&mut self.spare_keys, keys),
             gpu_blocks: Vec::new(),
             tokens: (local_gpu * gbs, total),
+            first_chunk: local_gpu / self.cfg.block_size_factor as u64,
         };
         self.jobs.insert(job_id, job);
         let r = self.requests.get_mut(&id).expect("checked");
@@ -471,7 +469,7 @@ impl Scheduler {
     /// jobs, stores of finished requests whose GPU blocks were reallocated, jobs of a reset).
     ///
     /// Fails, changing nothing: [`Error::NotFound`] for an unknown request,
-    /// [`Error::InvalidState`] for a finished one, [`Error::InvalidArgument`] for a request
+    /// [`Error::InvalidState`] for a finished one or one whose load is in flight, [`Error::InvalidArgument`] for a request
     /// scheduled twice or whose block ids do not cover its computed tokens.
     pub fn build_step(
         &mut self,
@@ -489,6 +487,12 @@ impl Scheduler {
                 ));
             }
             let r = self.live_request(s.request_id)?;
+            if r.jobs.iter().any(|j| self.jobs[j].kind == JobKind::Load) {
+                return Err(Error::InvalidState(format!(
+                    "scheduled[{i}].request_id: {} is still loading; schedule it after its load completes",
+                    s.request_id
+                )));
+            }
             let after = s
                 .num_computed_tokens
                 .checked_add(s.num_scheduled_tokens)
@@ -606,6 +610,7 @@ impl Scheduler {
             keys: take_filled(&mut self.spare_keys, &self.scratch_keys),
             gpu_blocks: take_filled(&mut self.spare_blocks, &self.scratch_blocks),
             tokens: (0, 0),
+            first_chunk: start + self.plan.indices[0] as u64,
         };
         self.jobs.insert(job_id, job);
         Ok(())
@@ -617,7 +622,8 @@ impl Scheduler {
     /// the tokens to recompute). Ids from before a reset are ignored.
     ///
     /// Fails, changing nothing: [`Error::NotFound`] for an unknown job id,
-    /// [`Error::InvalidArgument`] for a zero count or more reports than workers.
+    /// [`Error::InvalidState`] for a load not yet in a step, [`Error::InvalidArgument`] for a
+    /// zero count or more reports than workers.
     pub fn complete_jobs(&mut self, reports: &[JobReport]) -> Result<()> {
         self.scratch_counts.clear();
         for (i, rep) in reports.iter().enumerate() {
@@ -626,6 +632,12 @@ impl Scheduler {
             }
             if rep.job_id < self.stale_below {
                 continue;
+            }
+            if self.pending_loads.jobs().iter().any(|j| j.id == rep.job_id) {
+                return Err(Error::InvalidState(format!(
+                    "reports[{i}].job_id: load {} is not in a step yet",
+                    rep.job_id
+                )));
             }
             let Some(job) = self.jobs.get(&rep.job_id) else {
                 return Err(Error::NotFound(format!(
@@ -660,13 +672,15 @@ impl Scheduler {
 
     fn finish_job(&mut self, job_id: u64) -> Result<()> {
         let job = self.jobs.remove(&job_id).expect("in flight");
-        if job.failed {
-            self.stats.failed_jobs += 1;
-        }
         let r = self
             .requests
             .get_mut(&job.request_id)
             .expect("a job's request is tracked");
+        if job.failed {
+            self.stats.failed_jobs += 1;
+            // Its chunks are not in the tier (rolled back or dropped): offer them again.
+            r.next_stored_chunk = r.next_stored_chunk.min(job.first_chunk);
+        }
         match job.kind {
             JobKind::Store => self.manager.complete_store(&job.keys, !job.failed)?,
             JobKind::Load => {
@@ -853,6 +867,14 @@ impl Scheduler {
     }
 }
 
+/// True when a key of `keys` is pinned by a load in flight (only loads pin keys).
+fn being_loaded(m: &Manager, keys: &[u8], kl: usize) -> bool {
+    m.stats().pinned > 0
+        && keys
+            .chunks_exact(kl)
+            .any(|k| m.ref_count(k).is_some_and(|rc| rc > 0))
+}
+
 /// A spare buffer (or a new one) holding a copy of `data`.
 fn take_filled<T: Copy>(spare: &mut Vec<Vec<T>>, data: &[T]) -> Vec<T> {
     let mut v = spare.pop().unwrap_or_default();
@@ -888,16 +910,13 @@ fn lookup(m: &mut Manager, r: &Request, c: u64, obs: u64, kl: usize) -> Result<M
         return Ok(Match::Miss);
     }
     // Only loads pin keys: with none in flight nothing can be being loaded.
-    let being_loaded = m.stats().pinned > 0
-        && (c / obs..(c + hit).div_ceil(obs)).any(|ch| {
-            m.ref_count(r.keys_of(kl, ch, ch + 1))
-                .is_some_and(|rc| rc > 0)
-        });
-    Ok(if being_loaded {
-        Match::Defer(DeferReason::BeingLoaded)
-    } else {
-        Match::Hit(hit)
-    })
+    Ok(
+        if being_loaded(m, r.keys_of(kl, c / obs, (c + hit).div_ceil(obs)), kl) {
+            Match::Defer(DeferReason::BeingLoaded)
+        } else {
+            Match::Hit(hit)
+        },
+    )
 }
 
 #[cfg(test)]

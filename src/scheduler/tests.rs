@@ -731,3 +731,61 @@ fn hit_requires_a_full_chunk_beyond_the_gpu_hit_and_is_capped_by_tokens() {
     t.add(4, 3, 48);
     assert_eq!(t.matched(4, 0), Match::Hit(36));
 }
+
+#[test]
+fn loads_must_be_shipped_before_completion_and_loading_requests_are_not_scheduled() {
+    let mut t = T::new(cfg());
+    t.add(1, 3, 24);
+    t.matched(1, 0);
+    let b = blocks(0, 6);
+    let s = t.step(&[sched(1, 0, 24, 24, &b)], &[]).jobs()[0].id;
+    t.complete(&[s], true);
+    t.add(2, 3, 25);
+    assert_eq!(t.matched(2, 0), Match::Hit(24));
+    let b2 = blocks(10, 17);
+    let load = t.s.on_alloc(2, &b2, 24).unwrap().unwrap();
+    let early = t.s.complete_jobs(&[JobReport {
+        job_id: load,
+        count: 1,
+        success: true,
+    }]);
+    assert!(matches!(early, Err(Error::InvalidState(m)) if m.contains("not in a step")));
+    assert_eq!(t.s.stats().manager.pinned, 2, "pins kept");
+    t.step(&[], &[]);
+    let r =
+        t.s.build_step(&[sched(2, 24, 1, 25, &b2)], &[], &mut t.step);
+    assert!(matches!(r, Err(Error::InvalidState(m)) if m.contains("still loading")));
+    t.complete(&[load], true);
+    t.step(&[sched(2, 24, 1, 25, &b2)], &[]);
+}
+
+#[test]
+fn failed_jobs_offer_their_chunks_again() {
+    let mut t = T::new(cfg());
+    t.add(1, 3, 48);
+    t.matched(1, 0);
+    let b = blocks(0, 12);
+    let s = t.step(&[sched(1, 0, 36, 48, &b[..9])], &[]).jobs()[0].id;
+    t.complete(&[s], false);
+    // The next step offers chunks 0..4 again, not only the new chunk 3.
+    let st = t.step(&[sched(1, 36, 12, 48, &b[9..])], &[]);
+    assert_eq!(st.dst(&st.jobs()[0]).len(), 4);
+}
+
+#[test]
+fn allocation_without_tokens_consumes_the_hit() {
+    let mut t = T::new(cfg());
+    t.add(1, 3, 24);
+    t.matched(1, 0);
+    let b = blocks(0, 6);
+    let s = t.step(&[sched(1, 0, 24, 24, &b)], &[]).jobs()[0].id;
+    t.complete(&[s], true);
+    t.add(2, 3, 24);
+    assert_eq!(t.matched(2, 0), Match::Hit(24));
+    // The host computes instead of loading: a later load for that hit is refused.
+    assert_eq!(t.s.on_alloc(2, &blocks(10, 16), 0).unwrap(), None);
+    assert!(matches!(
+        t.s.on_alloc(2, &blocks(10, 16), 24),
+        Err(Error::InvalidState(_))
+    ));
+}

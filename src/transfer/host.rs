@@ -10,6 +10,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// Most threads one large job is split across.
+pub const MAX_THREADS: usize = 64;
+
 /// Jobs of at least this many bytes are split across the configured threads.
 pub const SPLIT_BYTES: u64 = 4 << 20;
 
@@ -50,9 +53,10 @@ pub struct HostBackend {
 }
 
 impl HostBackend {
-    /// A backend whose jobs of at least [`SPLIT_BYTES`] use up to `threads` threads (>= 1).
+    /// A backend whose jobs of at least [`SPLIT_BYTES`] use up to `threads` threads (1 to
+    /// [`MAX_THREADS`]; other values are clamped).
     pub fn new(threads: usize) -> Result<Self> {
-        let threads = threads.max(1);
+        let threads = threads.clamp(1, MAX_THREADS);
         let lane = |name: &str| -> Result<Lane> {
             let shared = Arc::new(Shared {
                 state: Mutex::new(LaneState::default()),

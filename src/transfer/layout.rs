@@ -31,8 +31,8 @@ impl KvTensor {
         self.base + b as u64 * self.block_stride
     }
 
-    /// One past the last byte of the tensor.
-    fn end(&self) -> Option<u64> {
+    /// One past the last byte of the tensor (`None` on overflow).
+    pub(crate) fn end(&self) -> Option<u64> {
         (self.num_blocks as u64 - 1)
             .checked_mul(self.block_stride)
             .and_then(|o| o.checked_add(self.page_size))
@@ -78,6 +78,29 @@ pub fn validate(tensors: &[KvTensor]) -> Result<()> {
             if t.base < o_end && o.base < end {
                 return Err(invalid!("tensors[{i}] overlaps tensors[{j}]"));
             }
+        }
+    }
+    Ok(())
+}
+
+/// Checks that caller host buffers (`(address, length)` per tensor) overlap neither each other
+/// nor a registered tensor in host memory.
+pub fn validate_host_buffers(buffers: &[(*mut u8, usize)], tensors: &[KvTensor]) -> Result<()> {
+    let range = |&(p, len): &(*mut u8, usize)| (p as u64, (p as u64).saturating_add(len as u64));
+    for (i, b) in buffers.iter().enumerate() {
+        let (start, end) = range(b);
+        if let Some(j) = buffers[..i]
+            .iter()
+            .map(range)
+            .position(|(s, e)| start < e && s < end)
+        {
+            return Err(invalid!("host_buffers[{i}] overlaps host_buffers[{j}]"));
+        }
+        let hit = tensors
+            .iter()
+            .position(|t| !t.on_device && start < t.end().unwrap_or(u64::MAX) && t.base < end);
+        if let Some(j) = hit {
+            return Err(invalid!("host_buffers[{i}] overlaps tensors[{j}]"));
         }
     }
     Ok(())

@@ -538,16 +538,77 @@ fn host_tier_sizes_that_overflow_are_refused() {
     assert!(
         matches!(Worker::new(cfg, &[t], None), Err(Error::InvalidArgument(m)) if m.contains("overflow"))
     );
-    let t = KvTensor {
-        block_stride: 1 << 61,
-        page_size: 1 << 61,
-        ..t
-    };
-    let cfg = WorkerConfig {
-        block_size_factor: 8,
-        ..cfg
-    };
-    let mut mem = [0u8; 64];
-    let r = Worker::new(cfg, &[t], Some(&[(mem.as_mut_ptr(), 64)]));
+    // The caller's 64 bytes cannot hold 8 pages of 2^61 bytes (the size must not wrap).
+    let r = layout::HostBuffer::borrowed(big.as_mut_ptr() as *mut u8, 64, 1, 1 << 61, 8);
     assert!(matches!(r, Err(Error::InvalidArgument(m)) if m.contains("overflow")));
+}
+
+#[test]
+fn caller_host_buffers_must_not_overlap() {
+    let a = Mem::new(1, 8, 64, 64);
+    let cfg = WorkerConfig {
+        num_host_slots: 2,
+        ..Default::default()
+    };
+    let mut host = vec![0u8; 1024];
+    let p = host.as_mut_ptr();
+    let two = Mem::new(2, 8, 64, 64);
+    // SAFETY: offsets inside `host`.
+    let r = Worker::new(
+        cfg,
+        &[a.tensor, two.tensor],
+        Some(&[(p, 256), (unsafe { p.add(128) }, 256)]),
+    );
+    assert!(
+        matches!(r, Err(Error::InvalidArgument(m)) if m.contains("host_buffers[1] overlaps host_buffers[0]"))
+    );
+    let r = Worker::new(cfg, &[a.tensor], Some(&[(a.tensor.base as *mut u8, 256)]));
+    assert!(matches!(r, Err(Error::InvalidArgument(m)) if m.contains("overlaps tensors[0]")));
+}
+
+#[test]
+fn submit_step_waits_for_the_flush_set_first() {
+    use crate::manager::Policy;
+    use crate::scheduler::{Match, ScheduledRequest, Scheduler, SchedulerConfig};
+    // Request 1 stores GPU block 3 (64 KiB pages, so the copy takes a while); it finishes and
+    // block 3 is reallocated to request 2, whose next step must flush that store before the
+    // forward pass (and before any copy of its own) overwrites block 3.
+    let page = 4 << 20;
+    let a = Mem::new(1, 8, page, page);
+    let mut w = worker(1, 8, &[&a]);
+    let mut s = Scheduler::new(SchedulerConfig {
+        key_len: 8,
+        gpu_block_size: 4,
+        num_slots: 8,
+        policy: Policy::Lru,
+        offload_prompt_only: false,
+        ..Default::default()
+    })
+    .unwrap();
+    s.add_request(1, 4, None).unwrap();
+    s.append_block_hashes(1, &7u64.to_be_bytes(), 4).unwrap();
+    assert_eq!(s.match_request(1, 0).unwrap(), Match::Miss);
+    let req = |id, blocks: &'static [u32]| ScheduledRequest {
+        request_id: id,
+        num_computed_tokens: 0,
+        num_scheduled_tokens: 4,
+        num_tokens: 4,
+        new_block_ids: blocks,
+        resumed: false,
+    };
+    let mut step = Step::new();
+    s.build_step(&[req(1, &[3])], &[], &mut step).unwrap();
+    let store = step.jobs()[0].id;
+    w.submit_step(&step, 0).unwrap();
+    s.finish_request(1).unwrap();
+    s.add_request(2, 4, None).unwrap();
+    s.append_block_hashes(2, &9u64.to_be_bytes(), 4).unwrap();
+    s.match_request(2, 0).unwrap();
+    s.build_step(&[req(2, &[3])], &[], &mut step).unwrap();
+    assert_eq!(step.flush(), &[store]);
+    w.submit_step(&step, 0).unwrap();
+    // When submit_step returns, the flushed store has finished (a zero-timeout wait would say
+    // Timeout otherwise): the forward pass may now write block 3.
+    w.wait(&[store], Duration::ZERO).unwrap();
+    assert_eq!(host_sub_block(&w, 0, 0, 0, page), a.page(3));
 }

@@ -49,13 +49,15 @@ impl Default for WorkerConfig {
 pub struct Worker {
     cfg: WorkerConfig,
     kv: Vec<KvTensor>,
-    host: Vec<HostBuffer>,
+    /// Declared before `host`: fields drop in order, so copies finish before buffers are freed.
     backend: Box<dyn Backend>,
+    host: Vec<HostBuffer>,
     /// Jobs submitted and not yet reported by `poll`.
     known: HashSet<u64>,
     /// Completions to report at the next poll (failed submissions, swaps' neighbours).
     ready: VecDeque<Completion>,
     scratch: Vec<Completion>,
+    scratch_ids: HashSet<u64>,
     descs: Vec<CopyDesc>,
     shut_down: bool,
 }
@@ -76,6 +78,9 @@ impl Worker {
             return Err(invalid!("num_host_slots: 0"));
         }
         layout::validate(tensors)?;
+        if let Some(bufs) = host_buffers {
+            layout::validate_host_buffers(bufs, tensors)?;
+        }
         let mut backend: Box<dyn Backend> = match cfg.backend {
             BackendKind::Host => {
                 if let Some(i) = tensors.iter().position(|t| t.on_device) {
@@ -123,6 +128,7 @@ impl Worker {
             known: HashSet::new(),
             ready: VecDeque::new(),
             scratch: Vec::new(),
+            scratch_ids: HashSet::new(),
             descs: Vec::new(),
             shut_down: false,
         })
@@ -191,8 +197,10 @@ impl Worker {
         Ok(())
     }
 
-    /// Submits every job of a step plan (loads first, in plan order). Fails, submitting nothing,
-    /// if a job id is already in flight, the plan's factor differs from the worker's, or after
+    /// Executes a step plan: first waits for the plan's flush set (jobs of earlier steps that must
+    /// finish before this step's copies and forward pass; ids already finished and handed out are
+    /// skipped), then submits every job (loads first, in plan order). Fails, submitting nothing,
+    /// if a job id is in use or repeated, the plan's factor differs from the worker's, or after
     /// shutdown.
     pub fn submit_step(&mut self, step: &Step, compute_stream: u64) -> Result<()> {
         if self.shut_down {
@@ -205,9 +213,17 @@ impl Worker {
                 self.cfg.block_size_factor
             ));
         }
+        self.scratch_ids.clear();
         for j in step.jobs() {
             self.check_new_id(j.id)?;
+            if !self.scratch_ids.insert(j.id) {
+                return Err(Error::InvalidState(format!(
+                    "step: job id {} appears twice",
+                    j.id
+                )));
+            }
         }
+        self.backend.wait(step.flush(), Duration::MAX)?;
         for j in step.jobs() {
             let blocks = JobBlocks {
                 kind: j.kind,
@@ -307,6 +323,15 @@ impl Worker {
         if let Some(b) = dst_blocks.iter().find(|&&b| b >= d.num_blocks) {
             return Err(invalid!("dst_blocks: {b} outside {} blocks", d.num_blocks));
         }
+        // The copies of one job have no order (like a CUDA batch): a block may not be read and
+        // written by the same swap.
+        if src_tensor == dst_tensor
+            && let Some(b) = src_blocks.iter().find(|b| dst_blocks.contains(b))
+        {
+            return Err(invalid!(
+                "dst_blocks: block {b} is also a source of this swap"
+            ));
+        }
         // A synchronous swap takes the highest id not in use; it is never handed out.
         let id = job_id.unwrap_or_else(|| {
             (0..=u64::MAX)
@@ -342,7 +367,7 @@ impl Worker {
             })?;
             self.known.remove(&id);
             if !done.success {
-                return Err(Error::Internal(done.error.unwrap_or_default()));
+                return Err(Error::Cuda(done.error.unwrap_or_default()));
             }
         }
         Ok(())
@@ -360,7 +385,7 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         let ids: Vec<u64> = self.known.iter().copied().collect();
-        let _ = self.backend.wait(&ids, Duration::from_secs(60));
+        let _ = self.backend.wait(&ids, Duration::MAX);
         for h in &self.host {
             let _ = self.backend.unregister_host(h.raw().0);
         }
