@@ -36,6 +36,8 @@ use std::time::{Duration, Instant};
 type CuResult = c_uint;
 const CUDA_SUCCESS: CuResult = 0;
 const CUDA_ERROR_NOT_READY: CuResult = sys::CUresult::CUDA_ERROR_NOT_READY as CuResult;
+const HOST_MEMORY_ALREADY_REGISTERED: CuResult =
+    sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED as CuResult;
 
 /// The oldest driver (`cuDriverGetVersion`) with `cuMemcpyBatchAsync`.
 const BATCH_MIN_DRIVER_VERSION: c_int = 12080;
@@ -677,6 +679,11 @@ impl Backend for CudaBackend {
         let _current = self.enter()?;
         // SAFETY: the caller owns `len` bytes at `ptr`; the driver page-locks them (or fails).
         let rc = unsafe { (self.api.host_register)(ptr.cast(), len, HOST_REGISTER_PORTABLE) };
+        if rc == HOST_MEMORY_ALREADY_REGISTERED {
+            // The caller's memory is pinned already (e.g. cudaHostAlloc): usable as is, and not
+            // ours to unregister.
+            return Ok(());
+        }
         if rc != CUDA_SUCCESS {
             return Err(self.api.error(
                 "cuMemHostRegister",
