@@ -57,6 +57,16 @@ impl T {
         self.check();
     }
 
+    /// Adds request `id` (a miss), schedules its whole prompt on GPU blocks from `first_block`
+    /// and returns the store job of its chunks.
+    fn prefill(&mut self, id: u64, seed: u64, tokens: u64, first_block: u32) -> u64 {
+        self.add(id, seed, tokens);
+        assert_eq!(self.matched(id, 0), Match::Miss);
+        let b = blocks(first_block, first_block + (tokens / GBS) as u32);
+        self.s.on_alloc(id, &b, 0).unwrap();
+        self.step(&[sched(id, 0, tokens, tokens, &b)], &[]).jobs()[0].id
+    }
+
     fn grow(&mut self, id: u64, seed: u64, from_tokens: u64, to_tokens: u64) {
         self.s
             .append_block_hashes(
@@ -271,11 +281,7 @@ fn preempt_readmit_after_completions_loads_sync() {
 #[test]
 fn concurrent_lookups_of_one_prefix_defer_the_second() {
     let mut t = T::new(cfg());
-    t.add(1, 3, 24);
-    t.matched(1, 0);
-    t.s.on_alloc(1, &blocks(0, 6), 0).unwrap();
-    let b = blocks(0, 6);
-    let s = t.step(&[sched(1, 0, 24, 24, &b)], &[]).jobs()[0].id;
+    let s = t.prefill(1, 3, 24, 0);
     t.complete(&[s], true);
     t.s.finish_request(1).unwrap();
     // A and B share the prefix; A starts loading it, B must wait instead of loading it again.
@@ -295,11 +301,7 @@ fn concurrent_lookups_of_one_prefix_defer_the_second() {
 fn abort_while_loading_releases_pins_when_the_load_completes() {
     for success in [true, false] {
         let mut t = T::new(cfg());
-        t.add(1, 3, 12);
-        t.matched(1, 0);
-        t.s.on_alloc(1, &blocks(0, 3), 0).unwrap();
-        let b = blocks(0, 3);
-        let s = t.step(&[sched(1, 0, 12, 12, &b)], &[]).jobs()[0].id;
+        let s = t.prefill(1, 3, 12, 0);
         t.complete(&[s], true);
         t.s.finish_request(1).unwrap();
         t.add(2, 3, 13);
@@ -323,11 +325,7 @@ fn abort_while_loading_releases_pins_when_the_load_completes() {
 /// flush that store before the next forward pass.
 fn finished_with_pending_store() -> (T, u64) {
     let mut t = T::new(cfg());
-    t.add(1, 3, 12);
-    t.matched(1, 0);
-    t.s.on_alloc(1, &blocks(0, 3), 0).unwrap();
-    let b = blocks(0, 3);
-    let s = t.step(&[sched(1, 0, 12, 12, &b)], &[]).jobs()[0].id;
+    let s = t.prefill(1, 3, 12, 0);
     t.s.finish_request(1).unwrap();
     assert_eq!(t.s.fence.len(), 3);
     (t, s)
@@ -362,11 +360,7 @@ fn fence_at_store_building() {
 #[test]
 fn loads_do_not_populate_the_fence() {
     let mut t = T::new(cfg());
-    t.add(1, 3, 12);
-    t.matched(1, 0);
-    t.s.on_alloc(1, &blocks(0, 3), 0).unwrap();
-    let b = blocks(0, 3);
-    let s = t.step(&[sched(1, 0, 12, 12, &b)], &[]).jobs()[0].id;
+    let s = t.prefill(1, 3, 12, 0);
     t.complete(&[s], true);
     t.add(2, 3, 13);
     assert_eq!(t.matched(2, 0), Match::Hit(12));
@@ -432,10 +426,7 @@ fn no_room_is_retried_next_step() {
         num_slots: 1,
         ..cfg()
     });
-    t.add(1, 3, 12);
-    t.matched(1, 0);
-    let b = blocks(0, 3);
-    let s1 = t.step(&[sched(1, 0, 12, 12, &b)], &[]).jobs()[0].id;
+    let s1 = t.prefill(1, 3, 12, 0);
     t.add(2, 4, 12);
     t.matched(2, 0);
     let b = blocks(3, 6);
@@ -457,10 +448,7 @@ fn no_room_is_retried_next_step() {
 #[test]
 fn partial_first_chunk_after_gpu_hit() {
     let mut t = T::new(cfg());
-    t.add(1, 3, 36);
-    t.matched(1, 0);
-    let b = blocks(0, 9);
-    let s = t.step(&[sched(1, 0, 36, 36, &b)], &[]).jobs()[0].id;
+    let s = t.prefill(1, 3, 36, 0);
     t.complete(&[s], true);
     t.add(2, 3, 40);
     // One GPU block (4 tokens) already hit: chunk 0 is partly on the GPU.
@@ -478,18 +466,12 @@ fn partial_first_chunk_after_gpu_hit() {
 #[test]
 fn failed_store_rolls_back_and_failed_load_reports_recompute() {
     let mut t = T::new(cfg());
-    t.add(1, 3, 24);
-    t.matched(1, 0);
-    let b = blocks(0, 6);
-    let s = t.step(&[sched(1, 0, 24, 24, &b)], &[]).jobs()[0].id;
+    let s = t.prefill(1, 3, 24, 0);
     t.complete(&[s], false);
     assert_eq!(t.lookup(&key(3, 0)), Lookup::Miss);
     assert_eq!(t.s.stats().manager.used, 0);
     // Store again (the request is re-offered only if rewound: use another request).
-    t.add(2, 3, 24);
-    t.matched(2, 0);
-    let b = blocks(10, 16);
-    let s = t.step(&[sched(2, 0, 24, 24, &b)], &[]).jobs()[0].id;
+    let s = t.prefill(2, 3, 24, 10);
     t.complete(&[s], true);
     t.add(3, 3, 25);
     assert_eq!(t.matched(3, 0), Match::Hit(24));
@@ -518,10 +500,7 @@ fn completion_needs_every_worker_and_bad_reports_change_nothing() {
         num_workers: 2,
         ..cfg()
     });
-    t.add(1, 3, 12);
-    t.matched(1, 0);
-    let b = blocks(0, 3);
-    let s = t.step(&[sched(1, 0, 12, 12, &b)], &[]).jobs()[0].id;
+    let s = t.prefill(1, 3, 12, 0);
     let rep = |count, success| JobReport {
         job_id: s,
         count,
@@ -562,10 +541,7 @@ fn completion_needs_every_worker_and_bad_reports_change_nothing() {
 #[test]
 fn reset_flushes_everything_and_clears_in_flight_sets() {
     let mut t = T::new(cfg());
-    t.add(1, 3, 24);
-    t.matched(1, 0);
-    let b = blocks(0, 6);
-    let s = t.step(&[sched(1, 0, 24, 24, &b)], &[]).jobs()[0].id;
+    let s = t.prefill(1, 3, 24, 0);
     t.complete(&[s], true);
     t.add(2, 3, 25);
     assert_eq!(t.matched(2, 0), Match::Hit(24));
@@ -674,10 +650,7 @@ fn bad_inputs_change_nothing() {
 #[test]
 fn on_alloc_checks_the_hit_it_loads() {
     let mut t = T::new(cfg());
-    t.add(1, 3, 24);
-    t.matched(1, 0);
-    let b = blocks(0, 6);
-    let s = t.step(&[sched(1, 0, 24, 24, &b)], &[]).jobs()[0].id;
+    let s = t.prefill(1, 3, 24, 0);
     t.complete(&[s], true);
     t.add(2, 3, 24);
     assert_eq!(t.matched(2, 0), Match::Hit(24));
@@ -715,10 +688,7 @@ fn on_alloc_checks_the_hit_it_loads() {
 #[test]
 fn hit_requires_a_full_chunk_beyond_the_gpu_hit_and_is_capped_by_tokens() {
     let mut t = T::new(cfg());
-    t.add(1, 3, 36);
-    t.matched(1, 0);
-    let b = blocks(0, 9);
-    let s = t.step(&[sched(1, 0, 36, 36, &b)], &[]).jobs()[0].id;
+    let s = t.prefill(1, 3, 36, 0);
     t.complete(&[s], true);
     // A request of 11 tokens has no complete chunk: no lookup at all.
     t.add(2, 3, 11);
@@ -735,10 +705,7 @@ fn hit_requires_a_full_chunk_beyond_the_gpu_hit_and_is_capped_by_tokens() {
 #[test]
 fn loads_must_be_shipped_before_completion_and_loading_requests_are_not_scheduled() {
     let mut t = T::new(cfg());
-    t.add(1, 3, 24);
-    t.matched(1, 0);
-    let b = blocks(0, 6);
-    let s = t.step(&[sched(1, 0, 24, 24, &b)], &[]).jobs()[0].id;
+    let s = t.prefill(1, 3, 24, 0);
     t.complete(&[s], true);
     t.add(2, 3, 25);
     assert_eq!(t.matched(2, 0), Match::Hit(24));
@@ -775,10 +742,7 @@ fn failed_jobs_offer_their_chunks_again() {
 #[test]
 fn allocation_without_tokens_consumes_the_hit() {
     let mut t = T::new(cfg());
-    t.add(1, 3, 24);
-    t.matched(1, 0);
-    let b = blocks(0, 6);
-    let s = t.step(&[sched(1, 0, 24, 24, &b)], &[]).jobs()[0].id;
+    let s = t.prefill(1, 3, 24, 0);
     t.complete(&[s], true);
     t.add(2, 3, 24);
     assert_eq!(t.matched(2, 0), Match::Hit(24));
