@@ -22,7 +22,6 @@ library's message. Keys are ``bytes`` of exactly ``key_len`` bytes.
 """
 
 import ctypes
-import weakref
 from typing import List, NamedTuple, Tuple
 
 from . import _ffi
@@ -38,7 +37,7 @@ from ._ffi import (
     lib_path,
     version,
 )
-from ._common import _MAX_U32, _MAX_U64, _POLICIES, _STATS_FIELDS, Event, ManagerStats, _uint
+from ._common import _MAX_U32, _Handle, _MAX_U64, _POLICIES, _STATS_FIELDS, Event, ManagerStats, _uint
 from ._scheduler import (
     Job,
     JobReport,
@@ -88,7 +87,7 @@ class StorePlan(NamedTuple):
     evicted: List[bytes]
 
 
-class Manager:
+class Manager(_Handle):
     """An offload tier index: keys, host slots, eviction (``kvo_manager``).
 
     Calls on one manager are serialized by the library, so a manager may be shared between
@@ -104,8 +103,6 @@ class Manager:
         max_tracker_size=64000,
         enable_events=False,
     ):
-        self._ptr = None
-        self._finalizer = None
         if isinstance(policy, str):
             try:
                 policy = _POLICIES[policy.lower()]
@@ -124,41 +121,15 @@ class Manager:
         cfg.enable_events = 1 if enable_events else 0
         ptr = ctypes.POINTER(_ffi._Manager)()
         lib.kvo_manager_new(ctypes.byref(cfg), ctypes.byref(ptr))
-        self._ptr = ptr
-        self._finalizer = weakref.finalize(self, lib.kvo_manager_free, ptr)
+        self._own(ptr, lib.kvo_manager_free)
         self.key_len = cfg.key_len
         self.num_slots = cfg.num_slots
         self.policy = Policy(policy)
-
-    # -- lifetime -------------------------------------------------------------------------------
-
-    def close(self):
-        """Frees the manager. Safe to call more than once."""
-        self._ptr = None
-        if self._finalizer is not None:
-            self._finalizer()
-
-    @property
-    def closed(self):
-        return self._ptr is None
-
-    def __enter__(self):
-        self._handle()
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.num_slots} slots"
         return f"<kvoffload.Manager {self.policy.name} key_len={self.key_len} {state}>"
 
-    def _handle(self):
-        ptr = self._ptr
-        if ptr is None:
-            raise ValueError("kvoffload: operation on a closed Manager")
-        return ptr
 
     # -- keys -----------------------------------------------------------------------------------
 

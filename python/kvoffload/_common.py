@@ -2,6 +2,7 @@
 
 import dataclasses
 import operator
+import weakref
 from typing import List, NamedTuple
 
 from ._ffi import Policy
@@ -70,3 +71,41 @@ class ManagerStats:
 
 
 _STATS_FIELDS = [f.name for f in dataclasses.fields(ManagerStats)]
+
+
+class _Handle:
+    """Owns one library handle: ``close()`` frees it exactly once (also at garbage collection or
+    interpreter exit, through ``weakref.finalize``); context-manager support; use after close
+    raises ``ValueError``."""
+
+    _ptr = None
+    _finalizer = None
+
+    def _own(self, ptr, free, *keep):
+        """Takes ownership of ``ptr``, freed with ``free(ptr, *keep)``."""
+        self._ptr = ptr
+        self._finalizer = weakref.finalize(self, free, ptr, *keep)
+
+    def close(self):
+        """Frees the handle. Safe to call more than once."""
+        self._ptr = None
+        if self._finalizer is not None:
+            self._finalizer()
+
+    @property
+    def closed(self):
+        return self._ptr is None
+
+    def __enter__(self):
+        self._handle()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def _handle(self):
+        ptr = self._ptr
+        if ptr is None:
+            raise ValueError(f"kvoffload: operation on a closed {type(self).__name__}")
+        return ptr

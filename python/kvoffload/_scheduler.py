@@ -21,11 +21,10 @@ status with the library's message.
 
 import ctypes
 import dataclasses
-import weakref
 from typing import List, NamedTuple, Optional, Sequence
 
 from . import _ffi
-from ._common import _MAX_U32, _MAX_U64, Event, ManagerStats, _policy, _uint
+from ._common import _MAX_U32, _MAX_U64, Event, ManagerStats, _Handle, _policy, _uint
 from ._ffi import (
     KVO_NO_LIMIT,
     BufferTooSmallError,
@@ -194,7 +193,7 @@ def _flag(name, value):
 # ---------------------------------------------------------------------------------------------
 
 
-class Step:
+class Step(_Handle):
     """A step plan (``kvo_step``): the jobs of one engine step and the flush set. Filled by
     :meth:`Scheduler.build_step` or decoded from bytes with :meth:`Step.decode`.
 
@@ -202,44 +201,15 @@ class Step:
     """
 
     def __init__(self):
-        self._ptr = None
-        self._finalizer = None
         ptr = ctypes.POINTER(_ffi._Step)()
         lib.kvo_step_new(ctypes.byref(ptr))
-        self._ptr = ptr
-        self._finalizer = weakref.finalize(self, lib.kvo_step_free, ptr)
-
-    # -- lifetime -------------------------------------------------------------------------------
-
-    def close(self):
-        """Frees the plan. Safe to call more than once."""
-        self._ptr = None
-        if self._finalizer is not None:
-            self._finalizer()
-
-    @property
-    def closed(self):
-        return self._ptr is None
-
-    def __enter__(self):
-        self._handle()
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
+        self._own(ptr, lib.kvo_step_free)
 
     def __repr__(self):
         if self.closed:
             return "<kvoffload.Step closed>"
         i = self.info
         return f"<kvoffload.Step {i.num_jobs} jobs, {i.num_flush} to flush>"
-
-    def _handle(self):
-        ptr = self._ptr
-        if ptr is None:
-            raise ValueError("kvoffload: operation on a closed Step")
-        return ptr
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -332,7 +302,7 @@ class Step:
 # ---------------------------------------------------------------------------------------------
 
 
-class Scheduler:
+class Scheduler(_Handle):
     """The scheduler side of KV offloading (``kvo_scheduler``): per-request state, matching with
     the deferral rule, load and store jobs, step plans, completions; it owns its tier.
 
@@ -353,8 +323,6 @@ class Scheduler:
         max_tracker_size=64000,
         enable_events=False,
     ):
-        self._ptr = None
-        self._finalizer = None
         cfg = _ffi.kvo_scheduler_config()
         lib.kvo_scheduler_config_default(ctypes.byref(cfg))
         cfg.num_slots = _uint("num_slots", num_slots, _MAX_U64)
@@ -370,8 +338,7 @@ class Scheduler:
         cfg.enable_events = _flag("enable_events", enable_events)
         ptr = ctypes.POINTER(_ffi._Scheduler)()
         lib.kvo_scheduler_new(ctypes.byref(cfg), ctypes.byref(ptr))
-        self._ptr = ptr
-        self._finalizer = weakref.finalize(self, lib.kvo_scheduler_free, ptr)
+        self._own(ptr, lib.kvo_scheduler_free)
         self.num_slots = cfg.num_slots
         self.key_len = cfg.key_len
         self.gpu_block_size = cfg.gpu_block_size
@@ -379,26 +346,6 @@ class Scheduler:
         self.policy = Policy(cfg.policy)
         self.num_workers = cfg.num_workers
         self.offload_prompt_only = bool(cfg.offload_prompt_only)
-
-    # -- lifetime -------------------------------------------------------------------------------
-
-    def close(self):
-        """Frees the scheduler and its tier. Safe to call more than once."""
-        self._ptr = None
-        if self._finalizer is not None:
-            self._finalizer()
-
-    @property
-    def closed(self):
-        return self._ptr is None
-
-    def __enter__(self):
-        self._handle()
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.num_slots} slots"
@@ -408,11 +355,6 @@ class Scheduler:
             f"{state}>"
         )
 
-    def _handle(self):
-        ptr = self._ptr
-        if ptr is None:
-            raise ValueError("kvoffload: operation on a closed Scheduler")
-        return ptr
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ import weakref
 from typing import Any, List, NamedTuple, Optional, Tuple
 
 from . import _ffi
-from ._common import _MAX_U32, _MAX_U64, _uint
+from ._common import _MAX_U32, _MAX_U64, _Handle, _uint
 from ._ffi import Backend, JobKind, NotFoundError, lib
 from ._scheduler import Step, _seq, _u32_array
 
@@ -131,7 +131,7 @@ def _free(ptr, keep):
     keep.clear()
 
 
-class Worker:
+class Worker(_Handle):
     """Block copies between registered KV tensors and the host tier (``kvo_worker``): executes
     the load and store jobs of step plans, reports completions by polling (per direction in
     submission order), waits for listed jobs.
@@ -158,8 +158,6 @@ class Worker:
         device=0,
         host_buffers=None,
     ):
-        self._ptr = None
-        self._finalizer = None
         self._views = []
         tensors = _seq("tensors", tensors)
         cfg = _ffi.kvo_worker_config()
@@ -209,20 +207,16 @@ class Worker:
 
         ptr = ctypes.POINTER(_ffi._Worker)()
         lib.kvo_worker_new(ctypes.byref(cfg), arr, n, hb, ctypes.byref(ptr))
-        self._ptr = ptr
-        self._finalizer = weakref.finalize(self, _free, ptr, keep)
+        self._own(ptr, _free, keep)
         self.num_tensors = n
         self.num_host_slots = cfg.num_host_slots
         self.block_size_factor = cfg.block_size_factor
         self.backend = Backend(cfg.backend)
         self.device = cfg.device
 
-    # -- lifetime -------------------------------------------------------------------------------
-
     def close(self):
         """Finishes the jobs in flight, frees the worker and its host tier. Memoryviews from
         :meth:`host_buffer` are released. Safe to call more than once."""
-        self._ptr = None
         for ref in self._views:
             view = ref()
             if view is not None:
@@ -231,20 +225,7 @@ class Worker:
                 except BufferError:  # exported further by the caller: its problem now
                     pass
         self._views = []
-        if self._finalizer is not None:
-            self._finalizer()
-
-    @property
-    def closed(self):
-        return self._ptr is None
-
-    def __enter__(self):
-        self._handle()
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
+        super().close()
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.num_host_slots} host slots"
@@ -252,12 +233,6 @@ class Worker:
             f"<kvoffload.Worker {self.backend.name.lower()} {self.num_tensors} tensors "
             f"block_size_factor={self.block_size_factor} {state}>"
         )
-
-    def _handle(self):
-        ptr = self._ptr
-        if ptr is None:
-            raise ValueError("kvoffload: operation on a closed Worker")
-        return ptr
 
     # -- jobs -----------------------------------------------------------------------------------
 
