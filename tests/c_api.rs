@@ -203,3 +203,66 @@ fn readme_c_example_is_the_tested_program() {
     );
     build_and_run("readme_example.c");
 }
+
+/// The library exports exactly the functions the header declares (all `kvo_*`), nothing else.
+#[test]
+fn exported_symbols_match_the_header() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let header = std::fs::read_to_string(format!("{root}/include/kvoffload.h")).unwrap();
+    // Function names: identifiers followed by `(` on code lines (not comment lines).
+    let mut declared: Vec<String> = Vec::new();
+    for line in header.lines() {
+        let t = line.trim_start();
+        if t.starts_with('*') || t.starts_with("/*") || t.starts_with('#') {
+            continue;
+        }
+        for (i, _) in line.match_indices("kvo_") {
+            let before = line[..i].chars().next_back();
+            if before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_') {
+                continue;
+            }
+            let rest = &line[i..];
+            let end = rest
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(rest.len());
+            if rest[end..].starts_with('(') {
+                declared.push(rest[..end].to_owned());
+            }
+        }
+    }
+    declared.sort();
+    declared.dedup();
+    let lib = lib_dir().join(format!(
+        "{}kvoffload{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    let out = Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(&lib)
+        .output()
+        .expect("nm (binutils) runs");
+    assert!(out.status.success(), "nm failed on {}", lib.display());
+    let mut exported: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2))
+        .filter(|s| s.starts_with("kvo_"))
+        .map(str::to_owned)
+        .collect();
+    exported.sort();
+    assert_eq!(
+        exported, declared,
+        "exported kvo_* symbols differ from the header's functions"
+    );
+    let others: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.split_whitespace().nth(1).is_some_and(|t| t == "T"))
+        .filter_map(|l| l.split_whitespace().nth(2))
+        .filter(|s| !s.starts_with("kvo_"))
+        .map(str::to_owned)
+        .collect();
+    assert!(
+        others.is_empty(),
+        "functions exported beside kvo_*: {others:?}"
+    );
+}
