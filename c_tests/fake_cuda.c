@@ -65,6 +65,7 @@ enum {
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
 };
 
@@ -143,6 +144,7 @@ static void *registered[MAX_REGISTERED];
 static double clock_ms;
 static int queries_to_complete = 3;
 static int never_complete;
+static int batch_fails; /* knob: the batch call answers CUDA_ERROR_NOT_SUPPORTED */
 
 #define LOCK() pthread_mutex_lock(&mu)
 #define UNLOCK() pthread_mutex_unlock(&mu)
@@ -209,6 +211,7 @@ EXPORT void fake_set(const char *knob, long long value) {
     LOCK();
     if (strcmp(knob, "queries_to_complete") == 0) queries_to_complete = (int)value;
     if (strcmp(knob, "never_complete") == 0) never_complete = (int)value;
+    if (strcmp(knob, "batch_fails") == 0) batch_fails = (int)value;
     UNLOCK();
 }
 
@@ -509,7 +512,9 @@ EXPORT CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t 
                                    size_t *failIdx, CUstream stream) {
     LOCK();
     stats.batch_calls++;
-    CUresult rc = batch(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, failIdx, stream);
+    CUresult rc = batch_fails ? CUDA_ERROR_NOT_SUPPORTED
+                              : batch(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, failIdx,
+                                      stream);
     UNLOCK();
     return rc;
 }
@@ -520,7 +525,9 @@ EXPORT CUresult cuMemcpyBatchAsync_v2(CUdeviceptr *dsts, CUdeviceptr *srcs, size
     LOCK();
     stats.batch_calls++;
     stats.batch_v2_calls++;
-    CUresult rc = batch(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, NULL, stream);
+    CUresult rc = batch_fails ? CUDA_ERROR_NOT_SUPPORTED
+                              : batch(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, NULL,
+                                      stream);
     UNLOCK();
     return rc;
 }
@@ -596,6 +603,7 @@ EXPORT CUresult cuGetErrorName(CUresult error, const char **name) {
         NAME(CUDA_ERROR_INVALID_HANDLE)
         NAME(CUDA_ERROR_NOT_READY)
         NAME(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
+        NAME(CUDA_ERROR_NOT_SUPPORTED)
         NAME(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
 #undef NAME
     default:

@@ -312,6 +312,9 @@ fn inner_fake_driver() {
     bad_descriptors(&mut be, batch, &mode);
     host_registration(&mut be);
     events_are_reused(&mut be);
+    if batch {
+        batch_failure_falls_back_to_the_loop(&mut be);
+    }
     assert_eq!(stat("current_ctx_is_primary"), 0);
     assert_eq!(stat("context_errors"), 0);
 
@@ -474,6 +477,37 @@ fn path_and_access_order(be: &mut CudaBackend, batch: bool, mode: &str) {
     assert_eq!(stat("memcpy_async_calls"), m1 + 5);
     assert_eq!(be.set_batch_copy(true), batch);
     assert_eq!(ids(&poll_n(be, 1)), [204]);
+}
+
+/// A driver whose batch call fails where plain copies work: the job still succeeds, through the
+/// cuMemcpyAsync loop, and later jobs use the loop directly.
+fn batch_failure_falls_back_to_the_loop(be: &mut CudaBackend) {
+    assert!(be.uses_batch_copy());
+    knob("batch_fails", 1);
+    let host = vec![9u8; 256];
+    let mut dev = vec![0u8; 256];
+    let descs = [
+        desc(host.as_ptr(), dev.as_mut_ptr(), 128),
+        desc(host[128..].as_ptr(), dev[128..].as_mut_ptr(), 128),
+    ];
+    let (b0, m0) = (stat("batch_calls"), stat("memcpy_async_calls"));
+    be.submit(700, Direction::ToKv, &descs, 0)
+        .expect("falls back");
+    assert_eq!(
+        (stat("batch_calls"), stat("memcpy_async_calls")),
+        (b0 + 1, m0 + 2)
+    );
+    assert!(!be.uses_batch_copy(), "the loop from now on");
+    be.submit(701, Direction::ToKv, &descs, 0).expect("loop");
+    assert_eq!(
+        (stat("batch_calls"), stat("memcpy_async_calls")),
+        (b0 + 1, m0 + 4)
+    );
+    let done = poll_n(be, 2);
+    assert!(done.iter().all(|c| c.success));
+    assert!(dev.iter().all(|&b| b == 9));
+    knob("batch_fails", 0);
+    assert!(be.set_batch_copy(true));
 }
 
 /// Several jobs per direction in flight: nothing completes before the fake's events are ready;

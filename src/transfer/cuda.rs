@@ -17,7 +17,8 @@
 //! - each job is `record(start); copies; record(end)`, with timing events taken from a pool;
 //! - the copies are one `cuMemcpyBatchAsync` (CUDA 12.8 signature, one attribute for all copies:
 //!   source access order ANY for host→KV, STREAM for KV→host) when the driver reports version
-//!   12.8 or newer and exports the symbol, otherwise a loop of `cuMemcpyAsync`;
+//!   12.8 or newer and exports the symbol, otherwise a loop of `cuMemcpyAsync`; when a batch call
+//!   fails but the loop then copies the same job, the backend keeps to the loop;
 //! - `poll` pops each direction's FIFO while the head's end event is complete.
 //!
 //! Every call makes the backend's (primary) context current on the calling thread and restores the
@@ -534,31 +535,48 @@ impl CudaBackend {
         let n = self.scratch_size.len();
         if n > 0 {
             match api.batch.filter(|_| self.use_batch) {
-                Some(batch) => self.copy_batch(batch, dir, stream)?,
-                None => {
-                    for i in 0..n {
-                        let (src, dst, size) = (
-                            self.scratch_src[i],
-                            self.scratch_dst[i],
-                            self.scratch_size[i],
-                        );
-                        // SAFETY: the driver validates the addresses (device, registered or
-                        // pageable host memory, per unified addressing) and fails otherwise.
-                        let rc = unsafe { (api.memcpy_async)(dst, src, size, stream) };
-                        if rc != CUDA_SUCCESS {
-                            return Err(api.error(
-                                "cuMemcpyAsync",
-                                rc,
-                                &format!(
-                                    " at copy {i} of {n} (src {src:#x}, dst {dst:#x}, {size} bytes)"
-                                ),
-                            ));
+                Some(batch) => {
+                    if let Err(batch_err) = self.copy_batch(batch, dir, stream) {
+                        // The batch call is the newest path and the least tried: when the plain
+                        // copies of the same job work, use them from now on; when they fail too,
+                        // the job is bad and both errors are reported.
+                        match self.copy_loop(stream) {
+                            Ok(()) => self.use_batch = false,
+                            Err(loop_err) => {
+                                return Err(Error::Cuda(format!(
+                                    "{batch_err}; the cuMemcpyAsync loop failed as well: {loop_err}"
+                                )));
+                            }
                         }
                     }
                 }
+                None => self.copy_loop(stream)?,
             }
         }
         self.record(end, stream)
+    }
+
+    /// One `cuMemcpyAsync` per descriptor of the scratch arrays.
+    fn copy_loop(&self, stream: sys::CUstream) -> Result<()> {
+        let n = self.scratch_size.len();
+        for i in 0..n {
+            let (src, dst, size) = (
+                self.scratch_src[i],
+                self.scratch_dst[i],
+                self.scratch_size[i],
+            );
+            // SAFETY: the driver validates the addresses (device, registered or pageable host
+            // memory, per unified addressing) and fails otherwise.
+            let rc = unsafe { (self.api.memcpy_async)(dst, src, size, stream) };
+            if rc != CUDA_SUCCESS {
+                return Err(self.api.error(
+                    "cuMemcpyAsync",
+                    rc,
+                    &format!(" at copy {i} of {n} (src {src:#x}, dst {dst:#x}, {size} bytes)"),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// One `cuMemcpyBatchAsync` over the scratch arrays.
