@@ -1,0 +1,97 @@
+//! Replays of the shared request traces (`../shared/traces`): with room for every block, the tier's
+//! prefix hits equal an independent count of the ideal prefix-cache hits (the Mooncake paper's
+//! ~37 % and ~64 % of blocks); with a small tier, the Rust API and the C ABI give the same answers
+//! and the tier's invariants hold. Skipped (with a message) where the traces are absent.
+
+use kvoffload::manager::{ManagerConfig, Policy};
+use kvoffload::replay::{FfiTier, RustTier, TraceRequest, load_trace, replay, trace_keys};
+use std::collections::HashSet;
+use std::path::Path;
+
+fn trace(name: &str) -> Option<Vec<TraceRequest>> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/traces")
+        .join(name);
+    if !path.exists() {
+        eprintln!("skipped: {} not found", path.display());
+        return None;
+    }
+    Some(load_trace(&path).expect("the trace parses"))
+}
+
+/// Blocks that a prefix cache holding every block ever seen would hit.
+fn ideal_hits(trace: &[TraceRequest]) -> u64 {
+    let mut seen = HashSet::new();
+    let mut hits = 0;
+    for r in trace {
+        hits += r
+            .hash_ids
+            .iter()
+            .take_while(|id| seen.contains(*id))
+            .count() as u64;
+        seen.extend(r.hash_ids.iter().copied());
+    }
+    hits
+}
+
+#[test]
+fn unlimited_tier_hits_the_ideal_prefix_blocks() {
+    for (name, paper) in [
+        ("conversation_trace.jsonl", 0.37),
+        ("synthetic_trace.jsonl", 0.64),
+    ] {
+        let Some(t) = trace(name) else { continue };
+        let blocks: u64 = t.iter().map(|r| r.hash_ids.len() as u64).sum();
+        let requests = trace_keys(&t, 8);
+        for policy in [Policy::Lru, Policy::Arc] {
+            let cfg = ManagerConfig {
+                key_len: 8,
+                num_slots: blocks as usize,
+                policy,
+                ..Default::default()
+            };
+            let mut tier = RustTier::new(cfg).unwrap();
+            let out = replay(&mut tier, &requests, 8);
+            assert_eq!(out.hit_blocks, ideal_hits(&t), "{name} {policy:?}");
+            assert_eq!(out.no_room, 0);
+            let rate = out.hit_blocks as f64 / blocks as f64;
+            assert!(
+                (rate - paper).abs() < 0.01,
+                "{name}: {rate:.4} vs the paper's {paper}"
+            );
+            tier.manager.check_invariants().unwrap();
+        }
+    }
+}
+
+#[test]
+fn small_tier_rust_api_and_c_abi_agree() {
+    let Some(t) = trace("conversation_trace.jsonl") else {
+        return;
+    };
+    let requests = trace_keys(&t[..3000], 32);
+    for policy in [Policy::Lru, Policy::Arc] {
+        let cfg = ManagerConfig {
+            key_len: 32,
+            num_slots: 1024,
+            policy,
+            ..Default::default()
+        };
+        let mut rust = RustTier::new(cfg.clone()).unwrap();
+        let mut c = FfiTier::new(&cfg);
+        let (a, b) = (
+            replay(&mut rust, &requests, 32),
+            replay(&mut c, &requests, 32),
+        );
+        assert_eq!(a, b, "{policy:?}");
+        assert!(a.hit_blocks > 0 && a.stored_blocks > 0);
+        rust.manager.check_invariants().unwrap();
+        let s = rust.manager.stats();
+        assert_eq!(
+            (s.used, s.pinned, s.stores_in_flight),
+            (1024, 0, 0),
+            "{policy:?}"
+        );
+        assert_eq!(c.stats().evictions, s.evictions);
+    }
+}
