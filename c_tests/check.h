@@ -7,6 +7,8 @@
 
 #include "kvoffload.h"
 
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -56,5 +58,33 @@ static void check_status(kvo_status got, kvo_status want, const char *arg, int l
 
 #define CHECK_OK(call) check_status((call), KVO_STATUS_OK, NULL, __LINE__, #call)
 #define CHECK_STATUS(call, want, arg) check_status((call), (want), (arg), __LINE__, #call)
+
+/* U64S(1, 2, 3) expands to `array, length`. */
+#define U64S(...)                                                                               \
+    ((const uint64_t[]){__VA_ARGS__}),                                                          \
+        (sizeof((const uint64_t[]){__VA_ARGS__}) / sizeof(uint64_t))
+
+static inline void print_got(const char *what, const uint64_t *got, size_t n) {
+    printf("  %s: got {", what);
+    for (size_t i = 0; i < n; i++) {
+        printf("%s%llu", i ? ", " : "", (unsigned long long)got[i]);
+    }
+    printf("}\n");
+}
+
+/* The first n entries of `got` are exactly `want` (wn entries); prints them otherwise. */
+static inline int eq_u32(const uint32_t *got, size_t n, const uint64_t *want, size_t wn) {
+    enum { CAP = 256 };
+    uint64_t g[CAP];
+    int ok = n == wn && n <= CAP;
+    for (size_t i = 0; i < n && i < CAP; i++) {
+        g[i] = got[i];
+        ok = ok && g[i] == want[i];
+    }
+    if (!ok) {
+        print_got("u32 array", g, n < CAP ? n : CAP);
+    }
+    return ok;
+}
 
 #endif

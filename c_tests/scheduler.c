@@ -25,30 +25,6 @@
 #include "check.h"
 
 /* U64S(1, 2, 3) expands to `array, length`. */
-#define U64S(...)                                                                               \
-    ((const uint64_t[]){__VA_ARGS__}),                                                          \
-        (sizeof((const uint64_t[]){__VA_ARGS__}) / sizeof(uint64_t))
-
-static void print_got(const char *what, const uint64_t *got, size_t n) {
-    printf("  %s: got {", what);
-    for (size_t i = 0; i < n; i++) {
-        printf("%s%llu", i ? ", " : "", (unsigned long long)got[i]);
-    }
-    printf("}\n");
-}
-
-static int eq_u32(const uint32_t *got, size_t n, const uint64_t *want, size_t wn) {
-    uint64_t g[MAX_IDS];
-    int ok = n == wn && n <= MAX_IDS;
-    for (size_t i = 0; i < n && i < MAX_IDS; i++) {
-        g[i] = got[i];
-        ok = ok && g[i] == want[i];
-    }
-    if (!ok) {
-        print_got("u32 array", g, n < MAX_IDS ? n : MAX_IDS);
-    }
-    return ok;
-}
 
 static int eq_u64(const uint64_t *got, size_t n, const uint64_t *want, size_t wn) {
     int ok = n == wn;

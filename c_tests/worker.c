@@ -35,8 +35,6 @@
 /* U32S(1, 2, 3) expands to `array, length`. */
 #define U32S(...)                                                                               \
     ((const uint32_t[]){__VA_ARGS__}), (sizeof((const uint32_t[]){__VA_ARGS__}) / sizeof(uint32_t))
-#define U64S(...)                                                                               \
-    ((const uint64_t[]){__VA_ARGS__}), (sizeof((const uint64_t[]){__VA_ARGS__}) / sizeof(uint64_t))
 
 /* ---- memory ----------------------------------------------------------------------------- */
 

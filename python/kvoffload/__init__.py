@@ -37,7 +37,7 @@ from ._ffi import (
     lib_path,
     version,
 )
-from ._common import _MAX_U32, _Handle, _MAX_U64, _POLICIES, _STATS_FIELDS, Event, ManagerStats, _uint
+from ._common import _take_events, _MAX_U32, _Handle, _MAX_U64, _POLICIES, _STATS_FIELDS, Event, ManagerStats, _uint
 from ._scheduler import (
     Job,
     JobReport,
@@ -221,36 +221,7 @@ class Manager(_Handle):
 
     def take_events(self) -> List[Event]:
         """Takes the buffered events, oldest first (empty unless ``enable_events``)."""
-        h = self._handle()
-        n_events = ctypes.c_size_t()
-        n_keys = ctypes.c_size_t()
-        events_cap, keys_cap = 16, 64
-        while True:
-            events = (_ffi.kvo_event * events_cap)()
-            keys = (ctypes.c_uint8 * (keys_cap * self.key_len))()
-            try:
-                lib.kvo_manager_take_events(
-                    h,
-                    events,
-                    events_cap,
-                    keys,
-                    keys_cap,
-                    ctypes.byref(n_events),
-                    ctypes.byref(n_keys),
-                )
-            except BufferTooSmallError:
-                # The needed counts were written; more may arrive from other threads meanwhile.
-                events_cap = max(events_cap, n_events.value)
-                keys_cap = max(keys_cap, n_keys.value)
-                continue
-            break
-        raw = bytes(keys)
-        kl = self.key_len
-        out = []
-        for e in events[: n_events.value]:
-            first, count = e.first_key, e.n_keys
-            out.append(Event(bool(e.removed), self._split(raw[first * kl :], count)))
-        return out
+        return _take_events(lib.kvo_manager_take_events, self._handle(), self.key_len)
 
     def stats(self) -> ManagerStats:
         """Counters and gauges (``kvo_manager_get_stats``)."""

@@ -1,11 +1,13 @@
 """Helpers and result types shared by the Python classes of kvoffload (stdlib only)."""
 
 import dataclasses
+import ctypes
 import operator
 import weakref
 from typing import List, NamedTuple
 
-from ._ffi import Policy
+from . import _ffi
+from ._ffi import BufferTooSmallError, Policy
 
 _MAX_U32 = 2**32 - 1
 _MAX_U64 = 2**64 - 1
@@ -109,3 +111,29 @@ class _Handle:
         if ptr is None:
             raise ValueError(f"kvoffload: operation on a closed {type(self).__name__}")
         return ptr
+
+
+def _take_events(take, handle, key_len) -> List[Event]:
+    """Drains buffered events with ``take`` (``kvo_manager_take_events`` or
+    ``kvo_scheduler_take_events``), growing the buffers on ``BUFFER_TOO_SMALL``."""
+    n_events = ctypes.c_size_t()
+    n_keys = ctypes.c_size_t()
+    events_cap, keys_cap = 16, 64
+    while True:
+        events = (_ffi.kvo_event * events_cap)()
+        keys = (ctypes.c_uint8 * (keys_cap * key_len))()
+        try:
+            take(handle, events, events_cap, keys, keys_cap, ctypes.byref(n_events), ctypes.byref(n_keys))
+        except BufferTooSmallError:
+            # The needed counts were written; more may arrive from other threads meanwhile.
+            events_cap = max(events_cap, n_events.value)
+            keys_cap = max(keys_cap, n_keys.value)
+            continue
+        break
+    raw = bytes(keys)
+    out = []
+    for e in events[: n_events.value]:
+        first = e.first_key
+        ks = [raw[(first + i) * key_len : (first + i + 1) * key_len] for i in range(e.n_keys)]
+        out.append(Event(bool(e.removed), ks))
+    return out

@@ -24,7 +24,7 @@ import dataclasses
 from typing import List, NamedTuple, Optional, Sequence
 
 from . import _ffi
-from ._common import _MAX_U32, _MAX_U64, Event, ManagerStats, _Handle, _policy, _uint
+from ._common import _take_events, _MAX_U32, _MAX_U64, Event, ManagerStats, _Handle, _policy, _uint
 from ._ffi import (
     KVO_NO_LIMIT,
     BufferTooSmallError,
@@ -544,36 +544,7 @@ class Scheduler(_Handle):
 
     def take_events(self) -> List[Event]:
         """Takes the tier's buffered events, oldest first (empty unless ``enable_events``)."""
-        h = self._handle()
-        n_events = ctypes.c_size_t()
-        n_keys = ctypes.c_size_t()
-        events_cap, keys_cap = 16, 64
-        kl = self.key_len
-        while True:
-            events = (_ffi.kvo_event * events_cap)()
-            keys = (ctypes.c_uint8 * (keys_cap * kl))()
-            try:
-                lib.kvo_scheduler_take_events(
-                    h,
-                    events,
-                    events_cap,
-                    keys,
-                    keys_cap,
-                    ctypes.byref(n_events),
-                    ctypes.byref(n_keys),
-                )
-            except BufferTooSmallError:
-                events_cap = max(events_cap, n_events.value)
-                keys_cap = max(keys_cap, n_keys.value)
-                continue
-            break
-        raw = bytes(keys)
-        out = []
-        for e in events[: n_events.value]:
-            first, count = e.first_key, e.n_keys
-            ks = [raw[(first + i) * kl : (first + i + 1) * kl] for i in range(count)]
-            out.append(Event(bool(e.removed), ks))
-        return out
+        return _take_events(lib.kvo_scheduler_take_events, self._handle(), self.key_len)
 
     def stats(self) -> SchedulerStats:
         """Counters and gauges, with the tier's stats as ``manager``."""
