@@ -83,8 +83,8 @@ impl Ghosts {
         self.keys.clear();
         self.tag.clear();
         self.free.clear();
-        self.b1 = List::default();
-        self.b2 = List::default();
+        self.links.clear(&mut self.b1);
+        self.links.clear(&mut self.b2);
     }
 }
 
@@ -171,14 +171,13 @@ impl Arc {
 
     /// Picks `n` victims with the reference's rule, changing nothing; false when it cannot.
     /// While the simulated T1 size is below `int(target)`, T1 is not scanned at all (the quirk).
+    /// `eligible`: ready, unpinned and not protected.
     pub fn pick_victims(
         &self,
         n: usize,
-        ref_cnt: &[i32],
-        protected: impl Fn(u32) -> bool,
+        eligible: impl Fn(u32) -> bool,
         out: &mut Vec<u32>,
     ) -> bool {
-        let eligible = |s: u32| ref_cnt[s as usize] == 0 && !protected(s);
         let mut virtual_t1 = self.t1.len;
         let (mut c1, mut c2) = (self.t1.head, self.t2.head);
         for _ in 0..n {
@@ -231,8 +230,8 @@ impl Arc {
         for t in &mut self.tag {
             *t = NONE;
         }
-        self.t1 = List::default();
-        self.t2 = List::default();
+        self.links.clear(&mut self.t1);
+        self.links.clear(&mut self.t2);
         self.ghosts.clear();
         self.target = 0.0;
     }

@@ -1,6 +1,6 @@
-//! Fixed-width byte keys mapped to dense `u32` ids, with the key bytes stored in one arena
-//! indexed by id and each key's hash kept beside it (removal and growth never rehash). No
-//! allocation per key once the arena has grown to its working size.
+//! Fixed-width byte keys mapped to dense `u32` ids. Each id's record (the key's hash, then its
+//! bytes) lies in one arena indexed by id, so a lookup touches one record line, and removal and
+//! growth never rehash. No allocation per key once the arena has grown to its working size.
 
 use crate::error::{Error, Result};
 use hashbrown::{DefaultHashBuilder, HashTable};
@@ -10,8 +10,9 @@ use std::hash::{BuildHasher, Hasher};
 #[derive(Clone)]
 pub(crate) struct KeyTable {
     key_len: usize,
+    /// Bytes per record: the 8-byte hash, the key, padding to a multiple of 8.
+    stride: usize,
     arena: Vec<u8>,
-    hashes: Vec<u64>,
     table: HashTable<u32>,
     hasher: DefaultHashBuilder,
 }
@@ -49,6 +50,18 @@ pub(crate) fn copy_key(dst: &mut [u8], src: &[u8]) {
     }
 }
 
+#[inline(always)]
+fn record_key(arena: &[u8], stride: usize, key_len: usize, id: u32) -> &[u8] {
+    let at = id as usize * stride + 8;
+    &arena[at..at + key_len]
+}
+
+#[inline(always)]
+fn record_hash(arena: &[u8], stride: usize, id: u32) -> u64 {
+    let at = id as usize * stride;
+    u64::from_ne_bytes(arena[at..at + 8].try_into().unwrap())
+}
+
 impl KeyTable {
     /// A table for ids below `capacity` (the arena grows beyond it on demand). Fails with
     /// [`Error::OutOfMemory`] when the memory cannot be reserved.
@@ -65,27 +78,23 @@ impl KeyTable {
         let oom = |what: &str| {
             Error::OutOfMemory(format!("{what} for {capacity} keys of {key_len} bytes"))
         };
+        let stride = (8 + key_len).next_multiple_of(8);
         let mut arena = Vec::new();
-        let bytes = key_len
+        let bytes = stride
             .checked_mul(capacity)
             .ok_or_else(|| oom("key arena"))?;
         arena
             .try_reserve_exact(bytes)
             .map_err(|_| oom("key arena"))?;
         arena.resize(bytes, 0);
-        let mut hashes = Vec::new();
-        hashes
-            .try_reserve_exact(capacity)
-            .map_err(|_| oom("key hashes"))?;
-        hashes.resize(capacity, 0);
         let mut table = HashTable::new();
         table
             .try_reserve(capacity, |_: &u32| 0)
             .map_err(|_| oom("key table"))?;
         Ok(Self {
             key_len,
+            stride,
             arena,
-            hashes,
             table,
             hasher,
         })
@@ -102,14 +111,13 @@ impl KeyTable {
     /// The bytes of the key stored under `id`.
     #[inline]
     pub fn key(&self, id: u32) -> &[u8] {
-        let at = id as usize * self.key_len;
-        &self.arena[at..at + self.key_len]
+        record_key(&self.arena, self.stride, self.key_len, id)
     }
 
     /// The hash of the key stored under `id`.
     #[inline]
     pub fn stored_hash(&self, id: u32) -> u64 {
-        self.hashes[id as usize]
+        record_hash(&self.arena, self.stride, id)
     }
 
     #[inline]
@@ -119,34 +127,31 @@ impl KeyTable {
 
     #[inline]
     pub fn find_hashed(&self, hash: u64, key: &[u8]) -> Option<u32> {
-        let (arena, kl) = (&self.arena, self.key_len);
+        let (arena, stride, kl) = (&self.arena, self.stride, self.key_len);
         self.table
-            .find(hash, |&id| {
-                key_eq(&arena[id as usize * kl..id as usize * kl + kl], key)
-            })
+            .find(hash, |&id| key_eq(record_key(arena, stride, kl, id), key))
             .copied()
     }
 
     /// Stores `key` (which must be absent) under `id`.
     pub fn insert_hashed(&mut self, hash: u64, id: u32, key: &[u8]) {
-        let at = id as usize * self.key_len;
-        if self.arena.len() < at + self.key_len {
+        let (stride, kl) = (self.stride, self.key_len);
+        let at = id as usize * stride;
+        if self.arena.len() < at + stride {
             self.arena
-                .resize((at + self.key_len).max(self.arena.len() * 2), 0);
-            self.hashes.resize(self.arena.len() / self.key_len, 0);
+                .resize((at + stride).max(self.arena.len() * 2), 0);
         }
-        copy_key(&mut self.arena[at..at + self.key_len], key);
-        self.hashes[id as usize] = hash;
-        let hashes = &self.hashes;
-        self.table.insert_unique(hash, id, |&i| hashes[i as usize]);
+        let record = &mut self.arena[at..at + stride];
+        record[..8].copy_from_slice(&hash.to_ne_bytes());
+        copy_key(&mut record[8..8 + kl], key);
+        let arena = &self.arena;
+        self.table
+            .insert_unique(hash, id, |&i| record_hash(arena, stride, i));
     }
 
     /// Removes the entry of `id`; returns whether it was present.
     pub fn remove_id(&mut self, id: u32) -> bool {
-        match self
-            .table
-            .find_entry(self.hashes[id as usize], |&i| i == id)
-        {
+        match self.table.find_entry(self.stored_hash(id), |&i| i == id) {
             Ok(e) => {
                 e.remove();
                 true

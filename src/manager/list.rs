@@ -21,44 +21,49 @@ impl Default for List {
     }
 }
 
-/// `prev`/`next` of every id. An id belongs to at most one list at a time; the owner tracks which.
+/// The `prev` of an id that is in no list.
+const OFF: u32 = u32::MAX - 1;
+
+/// `[prev, next]` of every id, side by side (one cache line per id). An id belongs to at most
+/// one list at a time; the owner tracks which.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Links {
-    prev: Vec<u32>,
-    next: Vec<u32>,
+    links: Vec<[u32; 2]>,
 }
 
 impl Links {
     pub fn with_len(n: usize) -> crate::Result<Self> {
         Ok(Self {
-            prev: super::filled(n, NIL, "list links")?,
-            next: super::filled(n, NIL, "list links")?,
+            links: super::filled(n, [OFF, NIL], "list links")?,
         })
     }
 
     /// Makes room for ids `< n`.
     pub fn grow_to(&mut self, n: usize) {
-        if self.prev.len() < n {
-            self.prev.resize(n, NIL);
-            self.next.resize(n, NIL);
+        if self.links.len() < n {
+            self.links.resize(n, [OFF, NIL]);
         }
     }
 
     #[inline]
     pub fn next(&self, id: u32) -> u32 {
-        self.next[id as usize]
+        self.links[id as usize][1]
+    }
+
+    /// Whether `id` is in a list.
+    #[inline]
+    pub fn is_linked(&self, id: u32) -> bool {
+        self.links[id as usize][0] != OFF
     }
 
     /// Appends `id` (not in any list) at the tail (most recently used end).
     #[inline]
     pub fn push_back(&mut self, list: &mut List, id: u32) {
-        let i = id as usize;
-        self.prev[i] = list.tail;
-        self.next[i] = NIL;
+        self.links[id as usize] = [list.tail, NIL];
         if list.tail == NIL {
             list.head = id;
         } else {
-            self.next[list.tail as usize] = id;
+            self.links[list.tail as usize][1] = id;
         }
         list.tail = id;
         list.len += 1;
@@ -67,19 +72,27 @@ impl Links {
     /// Removes `id`, which must be in `list`.
     #[inline]
     pub fn unlink(&mut self, list: &mut List, id: u32) {
-        let i = id as usize;
-        let (p, n) = (self.prev[i], self.next[i]);
+        let [p, n] = std::mem::replace(&mut self.links[id as usize], [OFF, NIL]);
         if p == NIL {
             list.head = n;
         } else {
-            self.next[p as usize] = n;
+            self.links[p as usize][1] = n;
         }
         if n == NIL {
             list.tail = p;
         } else {
-            self.prev[n as usize] = p;
+            self.links[n as usize][0] = p;
         }
         list.len -= 1;
+    }
+
+    /// Takes every id of `list` out of it.
+    pub fn clear(&mut self, list: &mut List) {
+        let mut c = list.head;
+        while c != NIL {
+            c = std::mem::replace(&mut self.links[c as usize], [OFF, NIL])[1];
+        }
+        *list = List::default();
     }
 
     /// Moves `id`, which must be in `list`, to the tail.
@@ -118,10 +131,14 @@ mod tests {
         links.unlink(&mut l, 4);
         links.unlink(&mut l, 2);
         assert_eq!(collect(&links, &l), vec![1, 3]);
+        assert!(!links.is_linked(2) && links.is_linked(1));
         links.move_to_back(&mut l, 1);
         assert_eq!(collect(&links, &l), vec![3, 1]);
         links.push_back(&mut l, 0);
         assert_eq!(collect(&links, &l), vec![3, 1, 0]);
         assert_eq!(l.tail, 0);
+        links.clear(&mut l);
+        assert!((0..5).all(|i| !links.is_linked(i)));
+        assert_eq!(collect(&links, &l), Vec::<u32>::new());
     }
 }

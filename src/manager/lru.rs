@@ -6,7 +6,6 @@ use super::list::{Links, List, NIL};
 #[derive(Debug, Clone)]
 pub(crate) struct Lru {
     links: Links,
-    in_list: Vec<bool>,
     list: List,
 }
 
@@ -14,7 +13,6 @@ impl Lru {
     pub fn new(num_slots: usize) -> crate::Result<Self> {
         Ok(Self {
             links: Links::with_len(num_slots)?,
-            in_list: super::filled(num_slots, false, "LRU flags")?,
             list: List::default(),
         })
     }
@@ -22,15 +20,14 @@ impl Lru {
     /// A "use": appends `slot` at the MRU end unless it is already listed (then it keeps its place).
     #[inline]
     pub fn mark_evictable(&mut self, slot: u32) {
-        if !self.in_list[slot as usize] {
-            self.in_list[slot as usize] = true;
+        if !self.links.is_linked(slot) {
             self.links.push_back(&mut self.list, slot);
         }
     }
 
     #[inline]
     pub fn mark_non_evictable(&mut self, slot: u32) {
-        if std::mem::take(&mut self.in_list[slot as usize]) {
+        if self.links.is_linked(slot) {
             self.links.unlink(&mut self.list, slot);
         }
     }
@@ -38,7 +35,7 @@ impl Lru {
     /// Moves an evictable slot to the MRU end; others are unaffected.
     #[inline]
     pub fn touch(&mut self, slot: u32) {
-        if self.in_list[slot as usize] {
+        if self.links.is_linked(slot) {
             self.links.move_to_back(&mut self.list, slot);
         }
     }
@@ -66,12 +63,7 @@ impl Lru {
     }
 
     pub fn clear(&mut self) {
-        let mut c = self.list.head;
-        while c != NIL {
-            self.in_list[c as usize] = false;
-            c = self.links.next(c);
-        }
-        self.list = List::default();
+        self.links.clear(&mut self.list);
     }
 
     /// Listed slots, LRU first (tests and invariant checks).

@@ -140,8 +140,8 @@ const ABSENT: u32 = u32::MAX;
 pub struct Manager {
     cfg: ManagerConfig,
     keys: KeyTable,
-    /// Per slot: -1 store in flight, 0 ready and idle, n > 0 pinned by n loads.
-    ref_cnt: Vec<i32>,
+    /// Per slot: reference count and protection stamp.
+    slots: Vec<SlotState>,
     pool: SlotPool,
     policy: PolicyImpl,
     tracker: Option<Tracker>,
@@ -152,9 +152,18 @@ pub struct Manager {
     scratch_slot: Vec<u32>,
     scratch_victims: Vec<u32>,
     scratch_new: Vec<u32>,
-    scratch_pairs: Vec<u64>,
-    stamp: Vec<u32>,
+    scratch_pairs: Vec<(u64, u32)>,
+    scratch_filter: Vec<u64>,
     epoch: u32,
+}
+
+/// What the manager keeps per slot, side by side (one cache line per slot).
+#[derive(Debug, Clone, Copy, Default)]
+struct SlotState {
+    /// -1 store in flight, 0 ready and idle, n > 0 pinned by n loads.
+    ref_cnt: i32,
+    /// Equal to the manager's epoch when a `prepare_store` protects the slot from eviction.
+    stamp: u32,
 }
 
 impl Manager {
@@ -194,7 +203,7 @@ impl Manager {
                 ..Default::default()
             },
             keys,
-            ref_cnt: filled(n, 0, "reference counts")?,
+            slots: filled(n, SlotState::default(), "slot states")?,
             pool: SlotPool::new(n as u32),
             policy,
             tracker,
@@ -203,7 +212,7 @@ impl Manager {
             scratch_victims: Vec::new(),
             scratch_new: Vec::new(),
             scratch_pairs: Vec::new(),
-            stamp: filled(n, 0, "protection stamps")?,
+            scratch_filter: Vec::new(),
             epoch: 0,
             cfg,
         })
@@ -263,7 +272,7 @@ impl Manager {
         self.stats.lookups += 1;
         match self.keys.find_hashed(h, key) {
             None => Lookup::Miss,
-            Some(s) if self.ref_cnt[s as usize] == IN_FLIGHT => Lookup::Retry,
+            Some(s) if self.slots[s as usize].ref_cnt == IN_FLIGHT => Lookup::Retry,
             Some(_) => {
                 self.stats.hits += 1;
                 Lookup::Hit
@@ -304,14 +313,14 @@ impl Manager {
             if s == ABSENT {
                 return Err(Error::NotFound(format!("keys[{i}]: not stored")));
             }
-            if self.ref_cnt[s as usize] == IN_FLIGHT {
+            if self.slots[s as usize].ref_cnt == IN_FLIGHT {
                 return Err(Error::InvalidState(format!(
                     "keys[{i}]: its store is in flight"
                 )));
             }
         }
         for (i, &s) in self.scratch_slot.iter().enumerate() {
-            let r = &mut self.ref_cnt[s as usize];
+            let r = &mut self.slots[s as usize].ref_cnt;
             if *r == 0 {
                 self.stats.evictable -= 1;
                 self.stats.pinned += 1;
@@ -339,7 +348,9 @@ impl Manager {
                         l.touch(s);
                     }
                 }
-                PolicyImpl::Arc(a) => a.touch(slot.map(|s| (s, self.ref_cnt[s as usize])), h, key),
+                PolicyImpl::Arc(a) => {
+                    a.touch(slot.map(|s| (s, self.slots[s as usize].ref_cnt)), h, key)
+                }
             }
         }
         Ok(())
@@ -357,22 +368,22 @@ impl Manager {
                 failed = Some((i, Error::NotFound(format!("keys[{i}]: not stored"))));
                 break;
             }
-            if self.ref_cnt[s as usize] <= 0 {
+            if self.slots[s as usize].ref_cnt <= 0 {
                 let e = Error::InvalidState(format!("keys[{i}]: not pinned by a load"));
                 failed = Some((i, e));
                 break;
             }
-            self.ref_cnt[s as usize] -= 1;
+            self.slots[s as usize].ref_cnt -= 1;
         }
         let done = failed.as_ref().map_or(self.scratch_slot.len(), |f| f.0);
         for &s in &self.scratch_slot[..done] {
-            self.ref_cnt[s as usize] += 1;
+            self.slots[s as usize].ref_cnt += 1;
         }
         if let Some((_, e)) = failed {
             return Err(e);
         }
         for &s in &self.scratch_slot {
-            let r = &mut self.ref_cnt[s as usize];
+            let r = &mut self.slots[s as usize].ref_cnt;
             *r -= 1;
             if *r == 0 {
                 self.stats.evictable += 1;
@@ -453,7 +464,7 @@ impl Manager {
             }
             match self.scratch_slot[i] {
                 ABSENT => self.scratch_new.push(i as u32),
-                s => self.stamp[s as usize] = self.epoch,
+                s => self.slots[s as usize].stamp = self.epoch,
             }
         }
         self.dedupe_new(keys);
@@ -470,12 +481,13 @@ impl Manager {
                 return Err(no_room());
             }
             self.scratch_victims.clear();
-            let (stamp, epoch) = (&self.stamp, self.epoch);
-            let protected = |s: u32| stamp[s as usize] == epoch;
+            let (slots, epoch) = (&self.slots, self.epoch);
+            let protected = |s: u32| slots[s as usize].stamp == epoch;
             let ok = match &self.policy {
                 PolicyImpl::Lru(l) => l.pick_victims(need, protected, &mut self.scratch_victims),
                 PolicyImpl::Arc(a) => {
-                    a.pick_victims(need, &self.ref_cnt, protected, &mut self.scratch_victims)
+                    let eligible = |s: u32| slots[s as usize].ref_cnt == 0 && !protected(s);
+                    a.pick_victims(need, eligible, &mut self.scratch_victims)
                 }
             };
             if !ok {
@@ -490,7 +502,7 @@ impl Manager {
             let slot = self.pool.alloc();
             let key = key_at(keys, kl, i as u32);
             self.keys.insert_hashed(self.scratch_hash[i], slot, key);
-            self.ref_cnt[slot as usize] = IN_FLIGHT;
+            self.slots[slot as usize].ref_cnt = IN_FLIGHT;
             if let PolicyImpl::Arc(a) = &mut self.policy {
                 a.insert(slot, self.scratch_hash[i], key);
             }
@@ -503,36 +515,82 @@ impl Manager {
         })
     }
 
-    /// Drops repeated keys from `scratch_new` (keeping the first): sorts the hashes, and only
-    /// when two are equal compares keys.
+    /// Drops repeated keys from `scratch_new` (keeping the first). A filter of at least 64 bits
+    /// per key, indexed by hash, passes most keys at once; a key whose bit is already set is
+    /// compared with the keys kept before it. After many such clashes (repeated keys en masse),
+    /// the rest is sorted by hash instead, so the cost stays `O(n log n)`.
     fn dedupe_new(&mut self, keys: &[u8]) {
-        if self.scratch_new.len() < 2 {
+        let n = self.scratch_new.len();
+        if n < 2 {
             return;
         }
+        let words = n.next_power_of_two().max(64);
+        let shift = 64 - (words * 64).trailing_zeros();
+        self.scratch_filter.clear();
+        self.scratch_filter.resize(words, 0);
+        let kl = self.cfg.key_len;
+        let (mut kept, mut clashes) = (0, 0);
+        for j in 0..n {
+            let i = self.scratch_new[j];
+            let h = self.scratch_hash[i as usize];
+            let bit = (h >> shift) as usize;
+            let (word, mask) = (bit / 64, 1u64 << (bit % 64));
+            if self.scratch_filter[word] & mask != 0 {
+                clashes += 1;
+                if clashes > 64 {
+                    self.scratch_new.copy_within(j.., kept);
+                    self.scratch_new.truncate(kept + n - j);
+                    return self.dedupe_sorted(keys);
+                }
+                let key = key_at(keys, kl, i);
+                if self.scratch_new[..kept]
+                    .iter()
+                    .any(|&k| self.scratch_hash[k as usize] == h && key_at(keys, kl, k) == key)
+                {
+                    continue;
+                }
+            }
+            self.scratch_filter[word] |= mask;
+            self.scratch_new[kept] = i;
+            kept += 1;
+        }
+        self.scratch_new.truncate(kept);
+    }
+
+    /// Drops repeated keys from `scratch_new` (keeping the first) by sorting (hash, position)
+    /// pairs and comparing only keys with equal hashes.
+    fn dedupe_sorted(&mut self, keys: &[u8]) {
+        let n = self.scratch_new.len();
         self.scratch_pairs.clear();
         self.scratch_pairs.extend(
             self.scratch_new
                 .iter()
-                .map(|&i| self.scratch_hash[i as usize]),
+                .enumerate()
+                .map(|(j, &i)| (self.scratch_hash[i as usize], j as u32)),
         );
         self.scratch_pairs.sort_unstable();
-        if self.scratch_pairs.windows(2).all(|w| w[0] != w[1]) {
-            return;
-        }
         let kl = self.cfg.key_len;
-        let mut kept = 0;
-        for j in 0..self.scratch_new.len() {
-            let i = self.scratch_new[j];
-            let key = key_at(keys, kl, i);
-            if !self.scratch_new[..kept]
-                .iter()
-                .any(|&k| key_at(keys, kl, k) == key)
-            {
-                self.scratch_new[kept] = i;
-                kept += 1;
+        let mut repeats = false;
+        let mut run = 0;
+        for k in 1..n {
+            let (h, j) = self.scratch_pairs[k];
+            if h != self.scratch_pairs[run].0 {
+                run = k;
+                continue;
+            }
+            // Earlier positions of this hash come first in the run.
+            let key = key_at(keys, kl, self.scratch_new[j as usize]);
+            if self.scratch_pairs[run..k].iter().any(|&(_, e)| {
+                e != u32::MAX && key_at(keys, kl, self.scratch_new[e as usize]) == key
+            }) {
+                self.scratch_pairs[k].1 = u32::MAX;
+                self.scratch_new[j as usize] = u32::MAX;
+                repeats = true;
             }
         }
-        self.scratch_new.truncate(kept);
+        if repeats {
+            self.scratch_new.retain(|&i| i != u32::MAX);
+        }
     }
 
     /// Evicts `scratch_victims`: copies their keys out, frees their slots, records the event.
@@ -571,7 +629,7 @@ impl Manager {
     fn next_epoch(&mut self) {
         self.epoch = self.epoch.wrapping_add(1);
         if self.epoch == 0 {
-            self.stamp.fill(0);
+            self.slots.iter_mut().for_each(|s| s.stamp = 0);
             self.epoch = 1;
         }
     }
@@ -585,12 +643,12 @@ impl Manager {
             let Some(s) = self.keys.find(key) else {
                 continue;
             };
-            if self.ref_cnt[s as usize] != IN_FLIGHT {
+            if self.slots[s as usize].ref_cnt != IN_FLIGHT {
                 continue;
             }
             self.stats.stores_in_flight -= 1;
             if success {
-                self.ref_cnt[s as usize] = 0;
+                self.slots[s as usize].ref_cnt = 0;
                 self.stats.evictable += 1;
                 if let PolicyImpl::Lru(l) = &mut self.policy {
                     l.mark_evictable(s);
@@ -599,7 +657,7 @@ impl Manager {
                     self.events.push_key(key);
                 }
             } else {
-                self.ref_cnt[s as usize] = 0;
+                self.slots[s as usize].ref_cnt = 0;
                 self.free_slot(s);
             }
         }
@@ -615,7 +673,7 @@ impl Manager {
         if key.len() != self.cfg.key_len {
             return None;
         }
-        self.keys.find(key).map(|s| self.ref_cnt[s as usize])
+        self.keys.find(key).map(|s| self.slots[s as usize].ref_cnt)
     }
 
     /// Drops `keys` from the tier (their data is known bad, e.g. a failed load): keys that are
@@ -629,7 +687,7 @@ impl Manager {
             let Some(s) = self.keys.find(key) else {
                 continue;
             };
-            if self.ref_cnt[s as usize] != 0 {
+            if self.slots[s as usize].ref_cnt != 0 {
                 continue;
             }
             if self.cfg.enable_events {
@@ -669,7 +727,7 @@ impl Manager {
     pub fn reset(&mut self) {
         self.keys.clear();
         self.pool.reset();
-        self.ref_cnt.fill(0);
+        self.slots.iter_mut().for_each(|s| s.ref_cnt = 0);
         match &mut self.policy {
             PolicyImpl::Lru(l) => l.clear(),
             PolicyImpl::Arc(a) => a.clear(),
@@ -690,7 +748,7 @@ impl Manager {
         let mut occupied = vec![false; self.cfg.num_slots];
         for s in self.occupied_slots() {
             occupied[s as usize] = true;
-            match self.ref_cnt[s as usize] {
+            match self.slots[s as usize].ref_cnt {
                 IN_FLIGHT => in_flight += 1,
                 0 => idle += 1,
                 r if r > 0 => pinned += 1,
@@ -711,7 +769,7 @@ impl Manager {
                 if order.len() as u64 != idle
                     || order
                         .iter()
-                        .any(|&s| !occupied[s as usize] || self.ref_cnt[s as usize] != 0)
+                        .any(|&s| !occupied[s as usize] || self.slots[s as usize].ref_cnt != 0)
                 {
                     return bad("LRU list is not the set of evictable slots".into());
                 }

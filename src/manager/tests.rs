@@ -244,6 +244,38 @@ fn duplicate_keys_in_one_store_are_stored_once() {
     assert_eq!(m.stats().stores_in_flight, 2);
 }
 
+/// Every size and repeat pattern goes through the same dedupe: few repeats (filter, clash
+/// check) and repeats en masse (the sorted fallback) keep exactly the first occurrences.
+#[test]
+fn duplicate_keys_dedupe_matches_a_naive_first_occurrence_filter() {
+    let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for (n, distinct) in [
+        (2, 1),
+        (30, 28),
+        (300, 290),
+        (300, 40),
+        (1000, 3),
+        (5000, 4000),
+    ] {
+        let ks: Vec<u64> = (0..n).map(|_| next() % distinct).collect();
+        let mut seen = std::collections::HashSet::new();
+        let first: Vec<u32> = (0..n as u32)
+            .filter(|&i| seen.insert(ks[i as usize]))
+            .collect();
+        let mut m = mgr(n, Policy::Lru);
+        let (indices, slots, evicted) = store(&mut m, &ks).unwrap();
+        assert_eq!(indices, first, "n={n} distinct={distinct}");
+        assert_eq!(slots, (0..first.len() as u32).collect::<Vec<_>>());
+        assert!(evicted.is_empty());
+    }
+}
+
 #[test]
 fn failed_store_frees_only_in_flight_keys() {
     let mut m = mgr(4, Policy::Lru);
