@@ -426,6 +426,44 @@ static void test_store_extras(void) {
     kvo_manager_free(m);
 }
 
+/* complete_store_at: the slots from prepare_store are used; wrong ones are only hints; bad
+ * ones fail, naming them, and change nothing. */
+static void test_complete_store_at(void) {
+    kvo_manager *m = new_manager(KVO_POLICY_LRU, 4, 0);
+    store_out o = PREPARE_STORE(m, KVO_STATUS_OK, 1, 2, 3);
+    keys_t k = KEYS(1, 2, 3);
+    CHECK_OK(kvo_manager_complete_store_at(m, k.bytes, o.slots, k.n, 1));
+    CHECK(LOOKUP(m, 1) == KVO_LOOKUP_HIT && LOOKUP(m, 3) == KVO_LOOKUP_HIT);
+    CHECK(stats(m).stores_in_flight == 0);
+    /* Wrong hints (other keys' slots): the keys are found anyway. */
+    o = PREPARE_STORE(m, KVO_STATUS_OK, 4);
+    k = KEYS(4);
+    uint32_t wrong[1] = {0};
+    CHECK_OK(kvo_manager_complete_store_at(m, k.bytes, wrong, 1, 1));
+    CHECK(LOOKUP(m, 4) == KVO_LOOKUP_HIT);
+    /* Bad input. */
+    o = PREPARE_STORE(m, KVO_STATUS_OK, 5);
+    CHECK(o.n_store == 1 && o.n_evicted == 1);
+    k = KEYS(5);
+    uint32_t beyond[1] = {4};
+    CHECK_BAD(m, kvo_manager_complete_store_at(NULL, k.bytes, o.slots, 1, 1),
+              KVO_STATUS_NULL_ARGUMENT, "manager");
+    CHECK_BAD(m, kvo_manager_complete_store_at(m, NULL, o.slots, 1, 1), KVO_STATUS_NULL_ARGUMENT,
+              "keys");
+    CHECK_BAD(m, kvo_manager_complete_store_at(m, k.bytes, NULL, 1, 1), KVO_STATUS_NULL_ARGUMENT,
+              "slots");
+    CHECK_BAD(m, kvo_manager_complete_store_at(m, k.bytes, o.slots, OVERFLOW_N, 1),
+              KVO_STATUS_INVALID_ARGUMENT, "n_keys");
+    CHECK_BAD(m, kvo_manager_complete_store_at(m, k.bytes, beyond, 1, 1),
+              KVO_STATUS_INVALID_ARGUMENT, "slots[0]");
+    CHECK(LOOKUP(m, 5) == KVO_LOOKUP_RETRY);
+    CHECK_OK(kvo_manager_complete_store_at(m, k.bytes, o.slots, 1, 0));
+    CHECK(LOOKUP(m, 5) == KVO_LOOKUP_MISS);
+    CHECK_OK(kvo_manager_complete_store_at(m, NULL, NULL, 0, 1));
+    check_invariants(m, __LINE__);
+    kvo_manager_free(m);
+}
+
 /* store_threshold 2: a key is stored only once it has been looked up twice. */
 static void test_store_threshold(void) {
     kvo_manager_config cfg;
@@ -792,6 +830,7 @@ int main(void) {
     test_config_default();
     test_lru_example();
     test_store_extras();
+    test_complete_store_at();
     test_store_threshold();
     test_stats_struct_size();
     test_last_error();

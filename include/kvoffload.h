@@ -960,6 +960,25 @@ kvo_status kvo_manager_complete_store(struct kvo_manager *m,
                                       uint32_t success);
 
 /**
+ * [`kvo_manager_complete_store`] for keys whose slots the caller kept from
+ * `kvo_manager_prepare_store` (`slots[i]` for `keys[i]`): a slot whose store is in flight and
+ * holds the key is taken without a hash lookup; any other slot is only a wrong hint, and the key
+ * is looked up. The fast way to complete a store job.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` on
+ * overflow or a slot not below `num_slots` (nothing changed).
+ *
+ * # Safety
+ * `keys` is NULL or `n_keys * key_len` readable bytes; `slots` NULL or `n_keys` readable values.
+ */
+KVO_NODISCARD
+kvo_status kvo_manager_complete_store_at(struct kvo_manager *m,
+                                         const uint8_t *keys,
+                                         const uint32_t *slots,
+                                         size_t n_keys,
+                                         uint32_t success);
+
+/**
  * Takes the buffered events (oldest first): writes `*out_n_events` records to `out_events` and
  * their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes).
  *

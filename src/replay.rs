@@ -104,6 +104,23 @@ pub fn replay(tier: &mut impl Tier, requests: &[Vec<u8>], key_len: usize) -> Rep
     out
 }
 
+/// The keys of `keys` at `indices` (ascending): a slice of `keys` when they are contiguous (the
+/// usual case: all but a prefix of hits), else gathered into `buf`.
+fn stored_keys<'a>(keys: &'a [u8], kl: usize, indices: &[u32], buf: &'a mut Vec<u8>) -> &'a [u8] {
+    match (indices.first(), indices.last()) {
+        (Some(&a), Some(&b)) if (b - a) as usize + 1 == indices.len() => {
+            &keys[a as usize * kl..(b as usize + 1) * kl]
+        }
+        _ => {
+            buf.clear();
+            for &i in indices {
+                buf.extend_from_slice(&keys[i as usize * kl..(i as usize + 1) * kl]);
+            }
+            buf
+        }
+    }
+}
+
 /// The Rust API as a [`Tier`], with reusable scratch buffers.
 pub struct RustTier {
     /// The manager driven.
@@ -149,13 +166,9 @@ impl Tier for RustTier {
         let kl = self.manager.key_len();
         match self.manager.prepare_store(keys, &mut self.plan) {
             Ok(c) => {
-                self.done.clear();
-                for &i in &self.plan.indices {
-                    self.done
-                        .extend_from_slice(&keys[i as usize * kl..(i as usize + 1) * kl]);
-                }
+                let done = stored_keys(keys, kl, &self.plan.indices, &mut self.done);
                 self.manager
-                    .complete_store(&self.done, true)
+                    .complete_store_at(done, &self.plan.slots, true)
                     .expect("complete_store");
                 Some(c.stored)
             }
@@ -289,13 +302,17 @@ impl Tier for FfiTier {
             kvo_status::NoRoom => return None,
             s => panic!("prepare_store: {s:?}"),
         }
-        self.done.clear();
-        for &i in &self.idx[..ns] {
-            self.done
-                .extend_from_slice(&keys[i as usize * kl..(i as usize + 1) * kl]);
-        }
-        // SAFETY: as above.
-        let st = unsafe { ffi::kvo_manager_complete_store(self.handle, self.done.as_ptr(), ns, 1) };
+        let done = stored_keys(keys, kl, &self.idx[..ns], &mut self.done);
+        // SAFETY: as above; `done` holds ns keys and `slots` ns slots.
+        let st = unsafe {
+            ffi::kvo_manager_complete_store_at(
+                self.handle,
+                done.as_ptr(),
+                self.slots.as_ptr(),
+                ns,
+                1,
+            )
+        };
         assert_eq!(st, kvo_status::Ok);
         Some(ns)
     }

@@ -933,7 +933,25 @@ impl Harness {
                 }
             }
             Call::CompleteStore(ks, ok) => {
-                self.m.complete_store(&enc(&ks), ok).unwrap();
+                // Slot hints (checked by the manager, never trusted): none, the true slots, or
+                // in-range slots that are mostly wrong (other keys, free slots, stale bytes).
+                let cap = self.model.cap as u64;
+                let hints: Vec<u32> = match ks.iter().sum::<u64>() % 3 {
+                    _ if cap == 0 => vec![],
+                    0 => vec![],
+                    1 => ks
+                        .iter()
+                        .map(|&k| {
+                            self.model
+                                .blocks
+                                .iter()
+                                .find(|b| b.key == k)
+                                .map_or((k % cap) as u32, |b| b.id)
+                        })
+                        .collect(),
+                    _ => ks.iter().map(|&k| ((k * 7 + 3) % cap) as u32).collect(),
+                };
+                self.m.complete_store_at(&enc(&ks), &hints, ok).unwrap();
                 self.model.complete_store(&ks, ok);
             }
             Call::TakeEvents => {

@@ -213,11 +213,21 @@ class Manager(_Handle):
             list(indices[:k]), list(slots[:k]), self._split(bytes(evicted), n_evicted.value)
         )
 
-    def complete_store(self, keys, success=True):
-        """Ends the stores of ``keys``: success makes them ready, failure drops them."""
+    def complete_store(self, keys, success=True, slots=None):
+        """Ends the stores of ``keys``: success makes them ready, failure drops them.
+
+        ``slots``: the slots ``prepare_store`` gave the keys (``plan.slots``), to skip the hash
+        lookups; wrong slots are only hints.
+        """
         h = self._handle()
         buf, n = self._join(keys)
-        lib.kvo_manager_complete_store(h, buf, n, 1 if success else 0)
+        if slots is None:
+            lib.kvo_manager_complete_store(h, buf, n, 1 if success else 0)
+        else:
+            if len(slots) != n:
+                raise ValueError(f"slots: {len(slots)} slots for {n} keys")
+            at = (ctypes.c_uint32 * n)(*slots)
+            lib.kvo_manager_complete_store_at(h, buf, at, n, 1 if success else 0)
 
     def take_events(self) -> List[Event]:
         """Takes the buffered events, oldest first (empty unless ``enable_events``)."""

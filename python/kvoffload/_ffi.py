@@ -496,6 +496,11 @@ FUNCTIONS = {
         True,
     ),
     "kvo_manager_complete_store": (kvo_status, [_ManagerP, c_char_p, c_size_t, c_uint32], True),
+    "kvo_manager_complete_store_at": (
+        kvo_status,
+        [_ManagerP, c_char_p, POINTER(c_uint32), c_size_t, c_uint32],
+        True,
+    ),
     "kvo_manager_take_events": (
         kvo_status,
         [_ManagerP, POINTER(kvo_event), c_size_t, _u8p, c_size_t, _sizep, _sizep],

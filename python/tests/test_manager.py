@@ -169,7 +169,7 @@ class LruWorkedExampleTest(unittest.TestCase):
         self.assertEqual(plan.indices, [0, 1, 2])
         self.assertEqual(ids(plan.evicted), [4, 5, 2])
         self.assertEqual(plan.slots, [1, 0, 3])
-        m.complete_store(ks(6, 7, 8))
+        m.complete_store(ks(6, 7, 8), slots=plan.slots)
         m.touch(ks(3, 6, 7))
 
         plan = m.prepare_store(ks(9))
@@ -278,6 +278,17 @@ class ErrorTest(unittest.TestCase):
         with self.assertRaises(InvalidStateError) as cm:
             self.m.prepare_load(ks(1))
         self.assertIn("keys[0]", cm.exception.message)
+
+    def test_complete_store_with_bad_slots_changes_nothing(self):
+        plan = self.m.prepare_store(ks(1))
+        with self.assertRaises(InvalidArgumentError) as cm:
+            self.m.complete_store(ks(1), slots=[4])
+        self.assertIn("slots[0]", cm.exception.message)
+        with self.assertRaises(ValueError):
+            self.m.complete_store(ks(1), slots=[0, 1])
+        self.assertEqual(self.m.lookup(k(1)), Lookup.RETRY)
+        self.m.complete_store(ks(1), slots=plan.slots)
+        self.assertEqual(self.m.lookup(k(1)), Lookup.HIT)
 
     def test_bad_key_len(self):
         for bad in (0, 65):

@@ -458,6 +458,34 @@ pub unsafe extern "C" fn kvo_manager_complete_store(
     })
 }
 
+/// [`kvo_manager_complete_store`] for keys whose slots the caller kept from
+/// `kvo_manager_prepare_store` (`slots[i]` for `keys[i]`): a slot whose store is in flight and
+/// holds the key is taken without a hash lookup; any other slot is only a wrong hint, and the key
+/// is looked up. The fast way to complete a store job.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` on
+/// overflow or a slot not below `num_slots` (nothing changed).
+///
+/// # Safety
+/// `keys` is NULL or `n_keys * key_len` readable bytes; `slots` NULL or `n_keys` readable values.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_complete_store_at(
+    m: *mut kvo_manager,
+    keys: *const u8,
+    slots: *const u32,
+    n_keys: usize,
+    success: u32,
+) -> kvo_status {
+    // SAFETY: forwarded from the caller.
+    guard(|| unsafe {
+        with_keys(m, keys, n_keys, |mgr, k| {
+            let slots = slice(slots, n_keys, "slots")?;
+            Ok(mgr.complete_store_at(k, slots, success != 0)?)
+        })
+    })
+}
+
 /// Takes the buffered events (oldest first): writes `*out_n_events` records to `out_events` and
 /// their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes).
 ///

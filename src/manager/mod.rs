@@ -638,9 +638,31 @@ impl Manager {
     /// failure drops the in-flight ones and frees their slots. Keys that are unknown or already
     /// ready are ignored on purpose (as in the reference).
     pub fn complete_store(&mut self, keys: &[u8], success: bool) -> Result<()> {
-        self.check_keys(keys, "keys")?;
-        for key in keys.chunks_exact(self.cfg.key_len) {
-            let Some(s) = self.keys.find(key) else {
+        self.complete_store_at(keys, &[], success)
+    }
+
+    /// [`Self::complete_store`], given the slots `prepare_store` gave the keys (`slots[i]` for
+    /// `keys[i]`, or empty): a slot whose store is in flight and holds the key is taken without
+    /// a hash lookup; any other slot is only a wrong hint and the key is looked up. Fails with
+    /// [`Error::InvalidArgument`], changing nothing, if `slots` is neither empty nor as long as
+    /// `keys` or names a slot beyond the tier.
+    pub fn complete_store_at(&mut self, keys: &[u8], slots: &[u32], success: bool) -> Result<()> {
+        let n = self.check_keys(keys, "keys")?;
+        if !slots.is_empty() && slots.len() != n {
+            return Err(invalid!("slots: {} slots for {n} keys", slots.len()));
+        }
+        if let Some(i) = slots.iter().position(|&s| s as usize >= self.cfg.num_slots) {
+            return Err(invalid!(
+                "slots[{i}]: {} is not below num_slots {}",
+                slots[i],
+                self.cfg.num_slots
+            ));
+        }
+        for (j, key) in keys.chunks_exact(self.cfg.key_len).enumerate() {
+            let hinted = slots.get(j).copied().filter(|&s| {
+                self.slots[s as usize].ref_cnt == IN_FLIGHT && keys::key_eq(self.keys.key(s), key)
+            });
+            let Some(s) = hinted.or_else(|| self.keys.find(key)) else {
                 continue;
             };
             if self.slots[s as usize].ref_cnt != IN_FLIGHT {

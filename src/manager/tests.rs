@@ -296,6 +296,47 @@ fn failed_store_frees_only_in_flight_keys() {
     );
 }
 
+/// Slots given to `complete_store_at` are hints: right ones are used, stale or wrong ones fall
+/// back to a lookup (a freed slot still holds its old key bytes), bad ones fail unchanged.
+#[test]
+fn complete_store_at_uses_right_slots_and_survives_wrong_ones() {
+    let mut m = mgr(4, Policy::Lru);
+    let (_, slots, _) = store(&mut m, &[1, 2]).unwrap();
+    m.complete_store_at(&keys(&[1, 2]), &slots, true).unwrap();
+    assert_eq!(
+        (look(&mut m, 1), look(&mut m, 2)),
+        (Lookup::Hit, Lookup::Hit)
+    );
+    m.check_invariants().unwrap();
+
+    // Key 3 goes to slot 2 and fails: slot 2 is free but still holds 3's bytes. Stored again,
+    // 3 lands in slot 3 (fresh first); the stale hint 2 must not hide it.
+    let (_, s3, _) = store(&mut m, &[3]).unwrap();
+    assert_eq!(s3, vec![2]);
+    m.complete_store_at(&keys(&[3]), &s3, false).unwrap();
+    assert_eq!(store(&mut m, &[3]).unwrap().1, vec![3]);
+    m.complete_store_at(&keys(&[3]), &[2], true).unwrap();
+    assert_eq!(look(&mut m, 3), Lookup::Hit);
+    // Swapped hints: each key still finds its own slot.
+    let (_, s45, _) = store(&mut m, &[4]).unwrap();
+    m.complete_store_at(&keys(&[4]), &[0], true).unwrap();
+    assert_eq!((look(&mut m, 4), s45), (Lookup::Hit, vec![2]));
+    m.check_invariants().unwrap();
+
+    // Bad slots: the call fails naming them, and changes nothing.
+    let (_, s5, _) = store(&mut m, &[5]).unwrap();
+    let before = m.stats();
+    let err = m.complete_store_at(&keys(&[5]), &[0, 1], true).unwrap_err();
+    assert!(err.to_string().contains("slots"), "{err}");
+    let err = m.complete_store_at(&keys(&[5]), &[4], true).unwrap_err();
+    assert!(err.to_string().contains("slots[0]"), "{err}");
+    assert_eq!(m.stats(), before);
+    assert_eq!(look(&mut m, 5), Lookup::Retry);
+    m.complete_store_at(&keys(&[5]), &s5, true).unwrap();
+    assert_eq!(look(&mut m, 5), Lookup::Hit);
+    m.check_invariants().unwrap();
+}
+
 #[test]
 fn evictable_count_follows_every_transition() {
     let mut m = mgr(3, Policy::Lru);

@@ -26,6 +26,8 @@ pub(crate) struct Job {
     /// Stores: source GPU blocks (fenced once the request finishes).
     /// Loads: tokens `[from, to)` the job fills, to recompute if it fails.
     pub gpu_blocks: Vec<u32>,
+    /// Stores: the host slots the keys go to (completion finds them without a hash lookup).
+    pub slots: Vec<u32>,
     pub tokens: (u64, u64),
     /// The first chunk the job moves: a failed job makes its request offer chunks again from here.
     pub first_chunk: u64,

@@ -451,6 +451,7 @@ impl Scheduler {
             failed: false,
             keys: take_filled(&mut self.spare_keys, keys),
             gpu_blocks: Vec::new(),
+            slots: Vec::new(),
             tokens: (local_gpu * gbs, total),
             first_chunk: local_gpu / self.cfg.block_size_factor as u64,
         };
@@ -609,6 +610,7 @@ impl Scheduler {
             failed: false,
             keys: take_filled(&mut self.spare_keys, &self.scratch_keys),
             gpu_blocks: take_filled(&mut self.spare_blocks, &self.scratch_blocks),
+            slots: take_filled(&mut self.spare_blocks, &self.plan.slots),
             tokens: (0, 0),
             first_chunk: start + self.plan.indices[0] as u64,
         };
@@ -682,7 +684,9 @@ impl Scheduler {
             r.next_stored_chunk = r.next_stored_chunk.min(job.first_chunk);
         }
         match job.kind {
-            JobKind::Store => self.manager.complete_store(&job.keys, !job.failed)?,
+            JobKind::Store => self
+                .manager
+                .complete_store_at(&job.keys, &job.slots, !job.failed)?,
             JobKind::Load => {
                 self.manager.complete_load(&job.keys)?;
                 if job.failed {
@@ -707,6 +711,7 @@ impl Scheduler {
         }
         recycle(&mut self.spare_keys, job.keys);
         recycle(&mut self.spare_blocks, job.gpu_blocks);
+        recycle(&mut self.spare_blocks, job.slots);
         Ok(())
     }
 
