@@ -239,15 +239,28 @@ impl Manager {
         Ok(keys.len() / kl)
     }
 
-    /// Resolves every key of `keys` into `scratch_hash` / `scratch_slot` (ABSENT if not stored).
+    /// Resolves every key of `keys` into `scratch_hash` / `scratch_slot` (ABSENT if not stored):
+    /// hashes and prefetches all, then looks them up, so that the misses overlap on large tiers.
     fn resolve(&mut self, keys: &[u8]) {
         self.scratch_hash.clear();
-        self.scratch_slot.clear();
         for key in keys.chunks_exact(self.cfg.key_len) {
             let h = self.keys.hash(key);
+            self.keys.prefetch(h);
             self.scratch_hash.push(h);
+        }
+        self.scratch_slot.clear();
+        for (key, &h) in keys.chunks_exact(self.cfg.key_len).zip(&self.scratch_hash) {
             self.scratch_slot
                 .push(self.keys.find_hashed(h, key).unwrap_or(ABSENT));
+        }
+    }
+
+    /// Starts loading into the CPU caches the index entries that calls on `keys` will read, so
+    /// that the memory accesses of all keys overlap: a hint for large tiers, best given the keys
+    /// of several coming calls at once. Changes nothing, counts nothing.
+    pub fn prefetch(&self, keys: &[u8]) {
+        for key in keys.chunks_exact(self.cfg.key_len) {
+            self.keys.prefetch(self.keys.hash(key));
         }
     }
 

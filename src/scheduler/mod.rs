@@ -537,6 +537,13 @@ impl Scheduler {
             step.push_from(&self.pending_loads, j);
         }
         self.pending_loads.clear(self.cfg.block_size_factor);
+        // Large tiers: start the index misses of every store candidate of the step at once.
+        for s in scheduled {
+            if let Some((start, n)) = self.store_range(s) {
+                let r = &self.requests[&s.request_id];
+                self.manager.prefetch(r.keys_of(self.cfg.key_len, start, n));
+            }
+        }
         for s in scheduled {
             self.build_store_job(s, step)?;
         }
@@ -544,14 +551,9 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Reference §4.4.2 for one scheduled request.
-    fn build_store_job(&mut self, s: &ScheduledRequest<'_>, step: &mut Step) -> Result<()> {
-        let (kl, obs, f) = (
-            self.cfg.key_len,
-            self.chunk_tokens(),
-            self.cfg.block_size_factor as usize,
-        );
-        let r = self.requests.get_mut(&s.request_id).expect("validated");
+    /// Complete chunks the request may offload after this step (limits applied).
+    fn offloadable_chunks(&self, s: &ScheduledRequest<'_>) -> u64 {
+        let r = &self.requests[&s.request_id];
         let mut offloadable = (s.num_computed_tokens + s.num_scheduled_tokens).min(r.num_tokens);
         if let Some(cap) = r.max_offload_tokens {
             offloadable = offloadable.min(cap);
@@ -559,12 +561,28 @@ impl Scheduler {
         if self.cfg.offload_prompt_only {
             offloadable = offloadable.min(r.prompt_tokens);
         }
-        let n = (offloadable / obs).min(r.num_keys(kl));
-        let start = r.next_stored_chunk;
-        if n <= start {
-            r.next_stored_chunk = n;
+        (offloadable / self.chunk_tokens()).min(r.num_keys(self.cfg.key_len))
+    }
+
+    /// The chunks `[start, n)` a scheduled request offers for storing this step, if any.
+    fn store_range(&self, s: &ScheduledRequest<'_>) -> Option<(u64, u64)> {
+        let n = self.offloadable_chunks(s);
+        let start = self.requests[&s.request_id].next_stored_chunk;
+        (n > start).then_some((start, n))
+    }
+
+    /// Reference §4.4.2 for one scheduled request.
+    fn build_store_job(&mut self, s: &ScheduledRequest<'_>, step: &mut Step) -> Result<()> {
+        let (kl, f) = (self.cfg.key_len, self.cfg.block_size_factor as usize);
+        let Some((start, n)) = self.store_range(s) else {
+            let n = self.offloadable_chunks(s);
+            self.requests
+                .get_mut(&s.request_id)
+                .expect("validated")
+                .next_stored_chunk = n;
             return Ok(());
-        }
+        };
+        let r = self.requests.get_mut(&s.request_id).expect("validated");
         let candidates = r.keys_of(kl, start, n);
         match self.manager.prepare_store(candidates, &mut self.plan) {
             Err(Error::NoRoom(_)) => {
