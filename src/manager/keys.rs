@@ -207,7 +207,6 @@ impl KeyTable {
     pub fn clear(&mut self) {
         self.table.clear();
     }
-
 }
 
 #[cfg(test)]
@@ -232,7 +231,10 @@ mod tests {
             let at = (t.table.get_bucket(i).unwrap() as *const u32).addr();
             assert_eq!(at, end - (i + 1) * BUCKET);
             // Probing is triangular from `h & mask`: at this load, within a few groups.
-            assert!((i.wrapping_sub(h as usize & mask) & mask) < 16 * 8, "bucket {i}");
+            assert!(
+                (i.wrapping_sub(h as usize & mask) & mask) < 16 * 8,
+                "bucket {i}"
+            );
         }
     }
 }

@@ -170,9 +170,13 @@ pub struct Scheduler {
     scratch_blocks: Vec<u32>,
     scratch_keys: Vec<u8>,
     scratch_counts: HashMap<u64, u32>,
+    /// Per scheduled request of a step: its offloadable chunks.
+    scratch_chunks: Vec<u64>,
     /// Buffers of completed jobs, reused by new ones (no allocation per job once warm).
     spare_keys: Vec<Vec<u8>>,
     spare_blocks: Vec<Vec<u32>>,
+    /// States of dropped requests, whose buffers new requests reuse.
+    spare_requests: Vec<Request>,
 }
 
 impl Scheduler {
@@ -223,8 +227,10 @@ impl Scheduler {
             scratch_blocks: Vec::new(),
             scratch_keys: Vec::new(),
             scratch_counts: HashMap::new(),
+            scratch_chunks: Vec::new(),
             spare_keys: Vec::new(),
             spare_blocks: Vec::new(),
+            spare_requests: Vec::new(),
         })
     }
 
@@ -269,10 +275,14 @@ impl Scheduler {
                 "request_id: {id} is already tracked"
             )));
         }
+        let spare = self.spare_requests.pop().unwrap_or_default();
         let r = Request {
             prompt_tokens,
             num_tokens: prompt_tokens,
             max_offload_tokens,
+            keys: cleared(spare.keys),
+            block_ids: cleared(spare.block_ids),
+            jobs: cleared(spare.jobs),
             ..Default::default()
         };
         self.requests.insert(id, r);
@@ -538,14 +548,18 @@ impl Scheduler {
         }
         self.pending_loads.clear(self.cfg.block_size_factor);
         // Large tiers: start the index misses of every store candidate of the step at once.
+        self.scratch_chunks.clear();
         for s in scheduled {
-            if let Some((start, n)) = self.store_range(s) {
-                let r = &self.requests[&s.request_id];
-                self.manager.prefetch(r.keys_of(self.cfg.key_len, start, n));
+            let n = self.offloadable_chunks(s);
+            let r = &self.requests[&s.request_id];
+            if n > r.next_stored_chunk {
+                let keys = r.keys_of(self.cfg.key_len, r.next_stored_chunk, n);
+                self.manager.prefetch(keys);
             }
+            self.scratch_chunks.push(n);
         }
-        for s in scheduled {
-            self.build_store_job(s, step)?;
+        for (i, s) in scheduled.iter().enumerate() {
+            self.build_store_job(s, self.scratch_chunks[i], step)?;
         }
         step.set_flush(self.flush.drain(..));
         Ok(())
@@ -564,25 +578,16 @@ impl Scheduler {
         (offloadable / self.chunk_tokens()).min(r.num_keys(self.cfg.key_len))
     }
 
-    /// The chunks `[start, n)` a scheduled request offers for storing this step, if any.
-    fn store_range(&self, s: &ScheduledRequest<'_>) -> Option<(u64, u64)> {
-        let n = self.offloadable_chunks(s);
-        let start = self.requests[&s.request_id].next_stored_chunk;
-        (n > start).then_some((start, n))
-    }
-
     /// Reference §4.4.2 for one scheduled request.
-    fn build_store_job(&mut self, s: &ScheduledRequest<'_>, step: &mut Step) -> Result<()> {
+    /// `n`: the request's offloadable chunks after this step.
+    fn build_store_job(&mut self, s: &ScheduledRequest<'_>, n: u64, step: &mut Step) -> Result<()> {
         let (kl, f) = (self.cfg.key_len, self.cfg.block_size_factor as usize);
-        let Some((start, n)) = self.store_range(s) else {
-            let n = self.offloadable_chunks(s);
-            self.requests
-                .get_mut(&s.request_id)
-                .expect("validated")
-                .next_stored_chunk = n;
-            return Ok(());
-        };
         let r = self.requests.get_mut(&s.request_id).expect("validated");
+        let start = r.next_stored_chunk;
+        if n <= start {
+            r.next_stored_chunk = n;
+            return Ok(());
+        }
         let candidates = r.keys_of(kl, start, n);
         match self.manager.prepare_store(candidates, &mut self.plan) {
             Err(Error::NoRoom(_)) => {
@@ -725,7 +730,7 @@ impl Scheduler {
         }
         r.jobs.retain(|&j| j != job_id);
         if r.finished && r.jobs.is_empty() {
-            self.requests.remove(&job.request_id);
+            self.drop_request(job.request_id);
         }
         recycle(&mut self.spare_keys, job.keys);
         recycle(&mut self.spare_blocks, job.gpu_blocks);
@@ -733,12 +738,24 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Stops tracking `id`, keeping its buffers for a later request when they are small (at most
+    /// 1024 requests of up to 16 KiB each are kept).
+    fn drop_request(&mut self, id: u64) {
+        let Some(r) = self.requests.remove(&id) else {
+            return;
+        };
+        let bytes = r.keys.capacity() + 4 * r.block_ids.capacity() + 8 * r.jobs.capacity();
+        if self.spare_requests.len() < 1024 && bytes <= 16 << 10 {
+            self.spare_requests.push(r);
+        }
+    }
+
     /// Finishes (or aborts) a request. Without jobs in flight its state is dropped now;
     /// otherwise when its last job completes, and until then its stores' GPU blocks are fenced:
     /// if one of them is allocated again, the next step flushes those stores.
     pub fn finish_request(&mut self, id: u64) -> Result<()> {
         if self.live_request(id)?.jobs.is_empty() {
-            self.requests.remove(&id);
+            self.drop_request(id);
             return Ok(());
         }
         for &j in &self.requests[&id].jobs {
@@ -896,6 +913,12 @@ fn being_loaded(m: &Manager, keys: &[u8], kl: usize) -> bool {
         && keys
             .chunks_exact(kl)
             .any(|k| m.ref_count(k).is_some_and(|rc| rc > 0))
+}
+
+/// `v`, emptied.
+fn cleared<T>(mut v: Vec<T>) -> Vec<T> {
+    v.clear();
+    v
 }
 
 /// A spare buffer (or a new one) holding a copy of `data`.
