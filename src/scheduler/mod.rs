@@ -167,9 +167,9 @@ pub struct Scheduler {
     stats: SchedulerStats,
     plan: StorePlan,
     scratch_slots: Vec<u32>,
-    scratch_blocks: Vec<u32>,
-    scratch_keys: Vec<u8>,
     scratch_counts: HashMap<u64, u32>,
+    /// `build_step` calls so far (marks of the requests each call schedules).
+    build_calls: u64,
     /// Per scheduled request of a step: its offloadable chunks.
     scratch_chunks: Vec<u64>,
     /// Buffers of completed jobs, reused by new ones (no allocation per job once warm).
@@ -224,9 +224,8 @@ impl Scheduler {
             stats: SchedulerStats::default(),
             plan: StorePlan::default(),
             scratch_slots: Vec::new(),
-            scratch_blocks: Vec::new(),
-            scratch_keys: Vec::new(),
             scratch_counts: HashMap::new(),
+            build_calls: 0,
             scratch_chunks: Vec::new(),
             spare_keys: Vec::new(),
             spare_blocks: Vec::new(),
@@ -489,15 +488,23 @@ impl Scheduler {
         step: &mut Step,
     ) -> Result<()> {
         let gbs = self.cfg.gpu_block_size as u64;
-        self.scratch_counts.clear();
+        // Each call marks its requests with a new number: a request met twice is a duplicate.
+        self.build_calls += 1;
+        let mark = self.build_calls;
         for (i, s) in scheduled.iter().enumerate() {
-            if self.scratch_counts.insert(s.request_id, 0).is_some() {
+            let id = s.request_id;
+            let r = match self.requests.get_mut(&id) {
+                None => return Err(Error::NotFound(format!("request_id: {id} is not tracked"))),
+                Some(r) if r.finished => {
+                    return Err(Error::InvalidState(format!("request_id: {id} is finished")));
+                }
+                Some(r) => r,
+            };
+            if std::mem::replace(&mut r.build_mark, mark) == mark {
                 return Err(invalid!(
-                    "scheduled[{i}].request_id: {} is scheduled twice",
-                    s.request_id
+                    "scheduled[{i}].request_id: {id} is scheduled twice"
                 ));
             }
-            let r = self.live_request(s.request_id)?;
             if r.jobs.iter().any(|j| self.jobs[j].kind == JobKind::Load) {
                 return Err(Error::InvalidState(format!(
                     "scheduled[{i}].request_id: {} is still loading; schedule it after its load completes",
@@ -536,6 +543,9 @@ impl Scheduler {
         }
         for p in preempted {
             self.flush.extend_from_slice(&self.requests[p].jobs);
+        }
+        if self.fence.is_empty() {
+            self.allocated.clear();
         }
         for b in self.allocated.drain(..) {
             if let Some(jobs) = self.fence.get(&b) {
@@ -602,40 +612,50 @@ impl Scheduler {
             Ok(_) => {}
         }
         self.manager.touch(&r.keys)?;
-        self.scratch_blocks.clear();
-        self.scratch_keys.clear();
-        for &i in &self.plan.indices {
-            let chunk = (start + i as u64) as usize;
-            self.scratch_blocks
-                .extend_from_slice(&r.block_ids[chunk * f..(chunk + 1) * f]);
-            self.scratch_keys
-                .extend_from_slice(&r.keys[chunk * kl..(chunk + 1) * kl]);
+        // The stored chunks: usually one run (all but the already stored ones), copied at once.
+        let (mut keys, mut blocks) = (
+            take_cleared(&mut self.spare_keys),
+            take_cleared(&mut self.spare_blocks),
+        );
+        let ix = &self.plan.indices;
+        let (first, last) = (
+            start as usize + ix[0] as usize,
+            start as usize + ix[ix.len() - 1] as usize,
+        );
+        if last + 1 - first == ix.len() {
+            keys.extend_from_slice(&r.keys[first * kl..(last + 1) * kl]);
+            blocks.extend_from_slice(&r.block_ids[first * f..(last + 1) * f]);
+        } else {
+            for &i in ix {
+                let chunk = start as usize + i as usize;
+                keys.extend_from_slice(&r.keys[chunk * kl..(chunk + 1) * kl]);
+                blocks.extend_from_slice(&r.block_ids[chunk * f..(chunk + 1) * f]);
+            }
         }
-        let first_block = ((start + self.plan.indices[0] as u64) * f as u64) as u32;
         let job_id = self.next_job_id;
         self.next_job_id += 1;
         step.push_job(
             job_id,
             JobKind::Store,
             s.request_id,
-            first_block,
-            &self.scratch_blocks,
+            (first * f) as u32,
+            &blocks,
             &self.plan.slots,
         );
         r.jobs.push(job_id);
         r.next_stored_chunk = n;
         self.stats.store_jobs += 1;
-        self.stats.stored_chunks += self.plan.indices.len() as u64;
+        self.stats.stored_chunks += ix.len() as u64;
         let job = Job {
             request_id: s.request_id,
             kind: JobKind::Store,
             pending: self.cfg.num_workers,
             failed: false,
-            keys: take_filled(&mut self.spare_keys, &self.scratch_keys),
-            gpu_blocks: take_filled(&mut self.spare_blocks, &self.scratch_blocks),
+            keys,
+            gpu_blocks: blocks,
             slots: take_filled(&mut self.spare_blocks, &self.plan.slots),
             tokens: (0, 0),
-            first_chunk: start + self.plan.indices[0] as u64,
+            first_chunk: first as u64,
         };
         self.jobs.insert(job_id, job);
         Ok(())
@@ -919,6 +939,11 @@ fn being_loaded(m: &Manager, keys: &[u8], kl: usize) -> bool {
 fn cleared<T>(mut v: Vec<T>) -> Vec<T> {
     v.clear();
     v
+}
+
+/// A spare buffer (or a new one), empty.
+fn take_cleared<T>(spare: &mut Vec<Vec<T>>) -> Vec<T> {
+    cleared(spare.pop().unwrap_or_default())
 }
 
 /// A spare buffer (or a new one) holding a copy of `data`.

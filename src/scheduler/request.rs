@@ -23,6 +23,8 @@ pub(crate) struct Request {
     pub finished: bool,
     /// The hit of the last match, until `on_alloc` consumes it.
     pub matched_hit: Option<u64>,
+    /// The last `build_step` call that scheduled it (duplicate detection).
+    pub build_mark: u64,
     /// Tokens to recompute after a failed load: `[from, to)`; reported until the next match.
     pub recompute: Option<(u64, u64)>,
 }
