@@ -569,6 +569,13 @@ impl Scheduler {
             self.scratch_chunks.push(n);
         }
         for (i, s) in scheduled.iter().enumerate() {
+            // The next storing request touches all its keys: start their misses now.
+            if let Some(next) = scheduled.get(i + 1) {
+                let r = &self.requests[&next.request_id];
+                if self.scratch_chunks[i + 1] > r.next_stored_chunk {
+                    self.manager.prefetch(&r.keys);
+                }
+            }
             self.build_store_job(s, self.scratch_chunks[i], step)?;
         }
         step.set_flush(self.flush.drain(..));
