@@ -23,10 +23,12 @@ pub(crate) struct Arc {
     ghosts: Ghosts,
 }
 
-/// Evicted keys: their own ids, arena and lists.
+/// Evicted keys. They stay in the manager's key table under ids `capacity + g` (slots are
+/// below `capacity`), so one lookup tells stored, ghost or unknown, and an eviction or a revival
+/// only renames the entry. `g` indexes the links and tags below.
 #[derive(Clone)]
 struct Ghosts {
-    keys: KeyTable,
+    base: u32,
     links: Links,
     tag: Vec<u8>,
     b1: List,
@@ -43,48 +45,40 @@ impl Ghosts {
         }
     }
 
-    fn push(&mut self, which: u8, hash: u64, key: &[u8]) {
-        let id = self.free.pop().unwrap_or(self.tag.len() as u32);
-        if id as usize == self.tag.len() {
+    /// A free ghost index.
+    fn alloc(&mut self) -> u32 {
+        self.free.pop().unwrap_or_else(|| {
             self.tag.push(NONE);
             self.links.grow_to(self.tag.len());
-        }
-        self.keys.insert_hashed(hash, id, key);
-        self.tag[id as usize] = which;
+            self.tag.len() as u32 - 1
+        })
+    }
+
+    /// Unlinks ghost `g` and frees its index (its key-table entry is the caller's).
+    fn release(&mut self, g: u32) {
+        let which = std::mem::replace(&mut self.tag[g as usize], NONE);
         let list = if which == B1 {
             &mut self.b1
         } else {
             &mut self.b2
         };
-        self.links.push_back(list, id);
+        self.links.unlink(list, g);
+        self.free.push(g);
     }
 
-    fn remove(&mut self, id: u32) {
-        let which = self.tag[id as usize];
-        let list = if which == B1 {
-            &mut self.b1
-        } else {
-            &mut self.b2
-        };
-        self.links.unlink(list, id);
-        self.tag[id as usize] = NONE;
-        self.keys.remove_id(id);
-        self.free.push(id);
-    }
-
-    fn trim(&mut self, which: u8, capacity: usize) {
+    fn trim(&mut self, which: u8, capacity: usize, keys: &mut KeyTable) {
         while self.list(which).len > capacity {
-            let head = self.list(which).head;
-            self.remove(head);
+            let g = self.list(which).head;
+            self.release(g);
+            keys.remove_id(self.base + g);
         }
     }
 
     fn clear(&mut self) {
-        self.keys.clear();
-        self.tag.clear();
-        self.free.clear();
         self.links.clear(&mut self.b1);
         self.links.clear(&mut self.b2);
+        self.tag.clear();
+        self.free.clear();
     }
 }
 
@@ -100,8 +94,8 @@ pub(crate) struct ArcSnapshot {
 }
 
 impl Arc {
-    /// `keys` is the manager's key table, whose hasher the ghost table shares.
-    pub fn new(num_slots: usize, keys: &KeyTable) -> crate::Result<Self> {
+    /// ARC over slots `0..num_slots`; ghost ids in the key table start at `num_slots`.
+    pub fn new(num_slots: usize) -> crate::Result<Self> {
         Ok(Self {
             capacity: num_slots,
             target: 0.0,
@@ -110,7 +104,7 @@ impl Arc {
             t1: List::default(),
             t2: List::default(),
             ghosts: Ghosts {
-                keys: keys.sibling(0).expect("an empty table allocates nothing"),
+                base: num_slots as u32,
                 links: Links::default(),
                 tag: Vec::new(),
                 b1: List::default(),
@@ -120,12 +114,24 @@ impl Arc {
         })
     }
 
-    /// A new (in-flight) slot goes to the T1 MRU end; its key leaves the ghost lists.
-    pub fn insert(&mut self, slot: u32, hash: u64, key: &[u8]) {
+    /// The ghost index of key-table id `id`, if `id` is a live ghost entry.
+    fn ghost(&self, id: u32) -> Option<u32> {
+        let g = id.checked_sub(self.ghosts.base)?;
+        (self.ghosts.tag.get(g as usize).is_some_and(|&t| t != NONE)).then_some(g)
+    }
+
+    /// A new (in-flight) slot goes to the T1 MRU end. Its key enters the key table: `id` is
+    /// what the table held for it before this call's evictions (a ghost id, or `u32::MAX`);
+    /// a ghost entry still holding the key is renamed to `slot` and leaves the ghost lists.
+    pub fn insert(&mut self, slot: u32, id: u32, hash: u64, key: &[u8], keys: &mut KeyTable) {
         self.tag[slot as usize] = T1;
         self.links.push_back(&mut self.t1, slot);
-        if let Some(g) = self.ghosts.keys.find_hashed(hash, key) {
-            self.ghosts.remove(g);
+        match self.ghost(id) {
+            Some(g) if keys.key(id) == key => {
+                self.ghosts.release(g);
+                keys.rename(id, slot);
+            }
+            _ => keys.insert_hashed(hash, slot, key),
         }
     }
 
@@ -138,10 +144,14 @@ impl Arc {
         }
     }
 
-    /// One key of a touch (the manager walks the keys in reverse order).
-    /// `slot` is the key's slot if stored, with its reference count.
-    pub fn touch(&mut self, slot: Option<(u32, i32)>, hash: u64, key: &[u8]) {
-        if let Some((slot, ref_cnt)) = slot {
+    /// One key of a touch (the manager walks the keys in reverse order): `id` is what the key
+    /// table holds for the key (a slot, with its reference count, or a ghost id), if anything.
+    pub fn touch(&mut self, id: Option<(u32, i32)>) {
+        let Some((id, ref_cnt)) = id else {
+            return;
+        };
+        if (id as usize) < self.capacity {
+            let slot = id;
             match self.tag[slot as usize] {
                 T1 if ref_cnt == -1 => self.links.move_to_back(&mut self.t1, slot),
                 T1 => {
@@ -154,7 +164,7 @@ impl Arc {
             }
             return;
         }
-        let Some(g) = self.ghosts.keys.find_hashed(hash, key) else {
+        let Some(g) = self.ghost(id) else {
             return;
         };
         let (b1, b2) = (self.ghosts.b1.len as f64, self.ghosts.b2.len as f64);
@@ -212,20 +222,27 @@ impl Arc {
         true
     }
 
-    /// Evicts picked victims: each moves to its ghost list (T1→B1, T2→B2); then both ghost
-    /// lists are trimmed to the capacity. `keys` still holds the victims' keys.
-    pub fn evict(&mut self, victims: &[u32], keys: &KeyTable) {
+    /// Evicts picked victims: each moves to its ghost list (T1→B1, T2→B2), its key-table entry
+    /// renamed to the ghost id; then both ghost lists are trimmed to the capacity.
+    pub fn evict(&mut self, victims: &[u32], keys: &mut KeyTable) {
         for &s in victims {
-            let tag = self.tag[s as usize];
+            let which = if self.tag[s as usize] == T1 { B1 } else { B2 };
             self.remove(s);
-            let key = keys.key(s);
-            self.ghosts
-                .push(if tag == T1 { B1 } else { B2 }, keys.stored_hash(s), key);
+            let g = self.ghosts.alloc();
+            self.ghosts.tag[g as usize] = which;
+            let list = if which == B1 {
+                &mut self.ghosts.b1
+            } else {
+                &mut self.ghosts.b2
+            };
+            self.ghosts.links.push_back(list, g);
+            keys.rename(s, self.ghosts.base + g);
         }
-        self.ghosts.trim(B1, self.capacity);
-        self.ghosts.trim(B2, self.capacity);
+        self.ghosts.trim(B1, self.capacity, keys);
+        self.ghosts.trim(B2, self.capacity, keys);
     }
 
+    /// Empties every list (the manager clears the key table).
     pub fn clear(&mut self) {
         for t in &mut self.tag {
             *t = NONE;
@@ -238,7 +255,7 @@ impl Arc {
 
     /// The lists (LRU first) and the target, for tests.
     #[cfg(test)]
-    pub fn snapshot(&self) -> ArcSnapshot {
+    pub fn snapshot(&self, keys: &KeyTable) -> ArcSnapshot {
         let walk = |links: &Links, l: &List| {
             let mut v = vec![];
             let mut c = l.head;
@@ -249,7 +266,11 @@ impl Arc {
             v
         };
         let g = &self.ghosts;
-        let gk = |ids: Vec<u32>| ids.into_iter().map(|i| g.keys.key(i).to_vec()).collect();
+        let gk = |ids: Vec<u32>| {
+            ids.into_iter()
+                .map(|i| keys.key(g.base + i).to_vec())
+                .collect()
+        };
         ArcSnapshot {
             t1: walk(&self.links, &self.t1),
             t2: walk(&self.links, &self.t2),

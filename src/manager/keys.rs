@@ -153,15 +153,34 @@ impl KeyTable {
             .copied()
     }
 
+    /// The record of `id`, growing the arena if needed.
+    fn record_mut(&mut self, id: u32) -> &mut [u8] {
+        let at = id as usize * self.stride;
+        if self.arena.len() < at + self.stride {
+            self.arena
+                .resize((at + self.stride).max(self.arena.len() * 2), 0);
+        }
+        &mut self.arena[at..at + self.stride]
+    }
+
+    /// Moves the entry of `from` (which must be present) to the absent id `to`: its record is
+    /// copied, and the table entry rewritten in place (no removal, no insertion).
+    pub fn rename(&mut self, from: u32, to: u32) {
+        let h = self.stored_hash(from);
+        *self
+            .table
+            .find_mut(h, |&i| i == from)
+            .expect("renamed id is present") = to;
+        self.record_mut(to);
+        let (stride, at) = (self.stride, from as usize * self.stride);
+        self.arena
+            .copy_within(at..at + stride, to as usize * stride);
+    }
+
     /// Stores `key` (which must be absent) under `id`.
     pub fn insert_hashed(&mut self, hash: u64, id: u32, key: &[u8]) {
         let (stride, kl) = (self.stride, self.key_len);
-        let at = id as usize * stride;
-        if self.arena.len() < at + stride {
-            self.arena
-                .resize((at + stride).max(self.arena.len() * 2), 0);
-        }
-        let record = &mut self.arena[at..at + stride];
+        let record = self.record_mut(id);
         record[..8].copy_from_slice(&hash.to_ne_bytes());
         copy_key(&mut record[8..8 + kl], key);
         let arena = &self.arena;

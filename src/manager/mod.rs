@@ -189,10 +189,12 @@ impl Manager {
             ));
         }
         let n = cfg.num_slots;
-        let keys = KeyTable::new(cfg.key_len, n)?;
+        // ARC's ghost entries (at most two lists of n keys) share the key table.
+        let entries = if cfg.policy == Policy::Arc { 3 * n } else { n };
+        let keys = KeyTable::new(cfg.key_len, entries)?;
         let policy = match cfg.policy {
             Policy::Lru => PolicyImpl::Lru(lru::Lru::new(n)?),
-            Policy::Arc => PolicyImpl::Arc(Box::new(arc::Arc::new(n, &keys)?)),
+            Policy::Arc => PolicyImpl::Arc(Box::new(arc::Arc::new(n)?)),
         };
         let tracker = (cfg.store_threshold >= 2)
             .then(|| Tracker::new(cfg.store_threshold, cfg.max_tracker_size, &keys));
@@ -239,7 +241,20 @@ impl Manager {
         Ok(keys.len() / kl)
     }
 
-    /// Resolves every key of `keys` into `scratch_hash` / `scratch_slot` (ABSENT if not stored):
+    /// The slot of a key-table id (ids beyond the slots are ARC's ghost entries).
+    #[inline]
+    fn slot(&self, id: Option<u32>) -> Option<u32> {
+        id.filter(|&i| (i as usize) < self.cfg.num_slots)
+    }
+
+    /// Whether a `scratch_slot` entry is a slot (not ABSENT, not a ghost).
+    #[inline]
+    fn is_slot(&self, id: u32) -> bool {
+        (id as usize) < self.cfg.num_slots
+    }
+
+    /// Resolves every key of `keys` into `scratch_hash` / `scratch_slot` (the key-table id: a
+    /// slot, an ARC ghost, or ABSENT):
     /// hashes and prefetches all, then looks them up, so that the misses overlap on large tiers.
     fn resolve(&mut self, keys: &[u8]) {
         self.scratch_hash.clear();
@@ -283,7 +298,7 @@ impl Manager {
             t.record(h, key);
         }
         self.stats.lookups += 1;
-        match self.keys.find_hashed(h, key) {
+        match self.slot(self.keys.find_hashed(h, key)) {
             None => Lookup::Miss,
             Some(s) if self.slots[s as usize].ref_cnt == IN_FLIGHT => Lookup::Retry,
             Some(_) => {
@@ -323,7 +338,7 @@ impl Manager {
         }
         self.resolve(keys);
         for (i, &s) in self.scratch_slot.iter().enumerate() {
-            if s == ABSENT {
+            if !self.is_slot(s) {
                 return Err(Error::NotFound(format!("keys[{i}]: not stored")));
             }
             if self.slots[s as usize].ref_cnt == IN_FLIGHT {
@@ -353,17 +368,17 @@ impl Manager {
         self.check_keys(keys, "keys")?;
         let kl = self.cfg.key_len;
         for key in keys.chunks_exact(kl).rev() {
-            let h = self.keys.hash(key);
-            let slot = self.keys.find_hashed(h, key);
+            let id = self.keys.find_hashed(self.keys.hash(key), key);
             match &mut self.policy {
                 PolicyImpl::Lru(l) => {
-                    if let Some(s) = slot {
+                    if let Some(s) = id {
                         l.touch(s);
                     }
                 }
-                PolicyImpl::Arc(a) => {
-                    a.touch(slot.map(|s| (s, self.slots[s as usize].ref_cnt)), h, key)
-                }
+                PolicyImpl::Arc(a) => a.touch(id.map(|i| {
+                    let r = self.slots.get(i as usize).map_or(0, |st| st.ref_cnt);
+                    (i, r)
+                })),
             }
         }
         Ok(())
@@ -377,7 +392,7 @@ impl Manager {
         // Validate by releasing, undo, then apply in order (exact order of "becomes evictable").
         let mut failed = None;
         for (i, &s) in self.scratch_slot.iter().enumerate() {
-            if s == ABSENT {
+            if !self.is_slot(s) {
                 failed = Some((i, Error::NotFound(format!("keys[{i}]: not stored"))));
                 break;
             }
@@ -476,8 +491,8 @@ impl Manager {
                 continue;
             }
             match self.scratch_slot[i] {
-                ABSENT => self.scratch_new.push(i as u32),
-                s => self.slots[s as usize].stamp = self.epoch,
+                s if self.is_slot(s) => self.slots[s as usize].stamp = self.epoch,
+                _ => self.scratch_new.push(i as u32),
             }
         }
         self.dedupe_new(keys);
@@ -513,12 +528,14 @@ impl Manager {
         for j in 0..to_store {
             let i = out_indices[j] as usize;
             let slot = self.pool.alloc();
-            let key = key_at(keys, kl, i as u32);
-            self.keys.insert_hashed(self.scratch_hash[i], slot, key);
-            self.slots[slot as usize].ref_cnt = IN_FLIGHT;
-            if let PolicyImpl::Arc(a) = &mut self.policy {
-                a.insert(slot, self.scratch_hash[i], key);
+            let (key, hash) = (key_at(keys, kl, i as u32), self.scratch_hash[i]);
+            match &mut self.policy {
+                PolicyImpl::Lru(_) => self.keys.insert_hashed(hash, slot, key),
+                PolicyImpl::Arc(a) => {
+                    a.insert(slot, self.scratch_slot[i], hash, key, &mut self.keys)
+                }
             }
+            self.slots[slot as usize].ref_cnt = IN_FLIGHT;
             out_slots[j] = slot;
         }
         self.stats.stores_in_flight += to_store as u64;
@@ -609,20 +626,27 @@ impl Manager {
     /// Evicts `scratch_victims`: copies their keys out, frees their slots, records the event.
     fn evict_victims(&mut self, out_evicted: &mut [u8]) {
         let kl = self.cfg.key_len;
-        if let PolicyImpl::Arc(a) = &mut self.policy {
-            a.evict(&self.scratch_victims, &self.keys);
-        }
-        for j in 0..self.scratch_victims.len() {
-            let s = self.scratch_victims[j];
+        for (j, &s) in self.scratch_victims.iter().enumerate() {
             let key = self.keys.key(s);
             keys::copy_key(&mut out_evicted[j * kl..(j + 1) * kl], key);
             if self.cfg.enable_events {
                 self.events.push_key(key);
             }
-            self.free_slot(s);
         }
         if self.cfg.enable_events {
             self.events.end_record(true);
+        }
+        match &mut self.policy {
+            PolicyImpl::Lru(l) => {
+                for &s in &self.scratch_victims {
+                    l.remove(s);
+                    self.keys.remove_id(s);
+                }
+            }
+            PolicyImpl::Arc(a) => a.evict(&self.scratch_victims, &mut self.keys),
+        }
+        for &s in &self.scratch_victims {
+            self.pool.release(s);
         }
         let n = self.scratch_victims.len() as u64;
         self.stats.evictable -= n;
@@ -675,7 +699,7 @@ impl Manager {
             let hinted = slots.get(j).copied().filter(|&s| {
                 self.slots[s as usize].ref_cnt == IN_FLIGHT && keys::key_eq(self.keys.key(s), key)
             });
-            let Some(s) = hinted.or_else(|| self.keys.find(key)) else {
+            let Some(s) = hinted.or_else(|| self.slot(self.keys.find(key))) else {
                 continue;
             };
             if self.slots[s as usize].ref_cnt != IN_FLIGHT {
@@ -708,7 +732,8 @@ impl Manager {
         if key.len() != self.cfg.key_len {
             return None;
         }
-        self.keys.find(key).map(|s| self.slots[s as usize].ref_cnt)
+        self.slot(self.keys.find(key))
+            .map(|s| self.slots[s as usize].ref_cnt)
     }
 
     /// Drops `keys` from the tier (their data is known bad, e.g. a failed load): keys that are
@@ -719,7 +744,7 @@ impl Manager {
         self.check_keys(keys, "keys")?;
         let mut dropped = 0;
         for key in keys.chunks_exact(self.cfg.key_len) {
-            let Some(s) = self.keys.find(key) else {
+            let Some(s) = self.slot(self.keys.find(key)) else {
                 continue;
             };
             if self.slots[s as usize].ref_cnt != 0 {
@@ -776,8 +801,15 @@ impl Manager {
     pub fn check_invariants(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Internal(m));
         let used = self.pool.num_used();
-        if self.keys.len() != used {
-            return bad(format!("{} keys but {used} used slots", self.keys.len()));
+        let ghosts = match &self.policy {
+            PolicyImpl::Lru(_) => 0,
+            PolicyImpl::Arc(a) => a.num_ghosts().0 + a.num_ghosts().1,
+        };
+        if self.keys.len() != used + ghosts {
+            return bad(format!(
+                "{} keys but {used} used slots and {ghosts} ghosts",
+                self.keys.len()
+            ));
         }
         let (mut in_flight, mut idle, mut pinned) = (0u64, 0u64, 0u64);
         let mut occupied = vec![false; self.cfg.num_slots];

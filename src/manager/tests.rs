@@ -481,7 +481,7 @@ fn prefix_lookup_maximal_prefix_rule() {
 
 fn arc_state(m: &Manager) -> arc::ArcSnapshot {
     match &m.policy {
-        PolicyImpl::Arc(a) => a.snapshot(),
+        PolicyImpl::Arc(a) => a.snapshot(&m.keys),
         PolicyImpl::Lru(_) => panic!("not ARC"),
     }
 }
@@ -490,7 +490,7 @@ impl Manager {
     fn lru_order(&self) -> Vec<u32> {
         match &self.policy {
             PolicyImpl::Lru(l) => l.order(),
-            PolicyImpl::Arc(a) => a.snapshot().t1,
+            PolicyImpl::Arc(a) => a.snapshot(&self.keys).t1,
         }
     }
 
@@ -532,6 +532,43 @@ fn arc_eviction_goes_to_ghost_and_ghost_hit_raises_target() {
     m.touch(&keys(&[1])).unwrap();
     assert!(arc_state(&m).target > 0.0);
     assert_eq!(arc_state(&m).target, 1.0);
+}
+
+/// Ghost entries share the key table with stored keys: a stored-again ghost leaves its list
+/// (revived in place), and one trimmed by the same call's evictions is stored afresh.
+#[test]
+fn arc_ghosts_revive_or_vanish_within_one_store() {
+    let ids_of = |b: Vec<Vec<u8>>| ids(&b.concat());
+    let mut m = mgr(2, Policy::Arc);
+    stored(&mut m, &[1, 2]);
+    stored(&mut m, &[3]); // evicts 1 → B1 [1]
+    // Storing 1 evicts 2 (B1 [1, 2], within capacity), then revives 1: B1 [2].
+    assert_eq!(store(&mut m, &[1]).unwrap().2, vec![2]);
+    assert_eq!(ids_of(arc_state(&m).b1), vec![2]);
+    assert_eq!(look(&mut m, 1), Lookup::Retry);
+    assert_eq!(look(&mut m, 2), Lookup::Miss);
+    m.complete_store(&keys(&[1]), true).unwrap();
+    m.check_invariants().unwrap();
+
+    let mut m = mgr(2, Policy::Arc);
+    stored(&mut m, &[1, 2]);
+    stored(&mut m, &[3, 4]); // B1 [1, 2]
+    // Storing 1 and 5 evicts 3 and 4: B1 [1, 2, 3, 4] is trimmed to [3, 4], which drops 1's
+    // ghost before 1 is stored again.
+    assert_eq!(store(&mut m, &[1, 5]).unwrap().2, vec![3, 4]);
+    assert_eq!(ids_of(arc_state(&m).b1), vec![3, 4]);
+    assert_eq!(
+        (look(&mut m, 1), look(&mut m, 5)),
+        (Lookup::Retry, Lookup::Retry)
+    );
+    m.check_invariants().unwrap();
+    // Ghost hits still adapt the target; stored keys are not ghosts.
+    m.touch(&keys(&[3])).unwrap();
+    assert_eq!(arc_state(&m).target, 1.0);
+    m.complete_store(&keys(&[1, 5]), true).unwrap();
+    m.touch(&keys(&[1])).unwrap();
+    assert_eq!(arc_state(&m).target, 1.0);
+    m.check_invariants().unwrap();
 }
 
 #[test]
