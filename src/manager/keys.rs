@@ -53,6 +53,10 @@ pub(crate) fn copy_key(dst: &mut [u8], src: &[u8]) {
     }
 }
 
+/// Tables with fewer buckets (with their records, about a megabyte) stay in the CPU caches:
+/// no prefetching.
+const PREFETCH_MIN_BUCKETS: usize = 1 << 16;
+
 /// Bytes per hashbrown bucket (a `u32` id).
 const BUCKET: usize = size_of::<u32>();
 
@@ -199,7 +203,7 @@ impl KeyTable {
     #[inline]
     pub fn prefetch(&self, hash: u64) {
         let (end, mask) = self.layout;
-        if end == 0 {
+        if mask < PREFETCH_MIN_BUCKETS {
             return;
         }
         let pos = hash as usize & mask;
