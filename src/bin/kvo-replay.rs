@@ -10,6 +10,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
+/// Replays per policy and API; the times printed are their medians.
+const RUNS: usize = 5;
+
 struct Args {
     trace: PathBuf,
     slots: usize,
@@ -85,15 +88,28 @@ fn main() -> ExitCode {
             policy,
             ..Default::default()
         };
-        let mut rust = RustTier::new(cfg.clone()).expect("valid config");
-        let t = Instant::now();
-        let out = replay(&mut rust, &requests, args.key_len);
-        let rust_ns = t.elapsed().as_nanos() as f64;
-        let mut c = FfiTier::new(&cfg);
-        let t = Instant::now();
-        let out_c = replay(&mut c, &requests, args.key_len);
-        let c_ns = t.elapsed().as_nanos() as f64;
-        assert_eq!(out, out_c, "the C ABI and the Rust API disagree");
+        // Median of a few runs on fresh tiers (the first run also pays for cold memory).
+        let mut runs = Vec::new();
+        let (mut rust, mut out, mut out_c) = (None, None, None);
+        for _ in 0..RUNS {
+            let mut r = RustTier::new(cfg.clone()).expect("valid config");
+            let t = Instant::now();
+            out = Some(replay(&mut r, &requests, args.key_len));
+            let rust_ns = t.elapsed().as_nanos() as f64;
+            let mut c = FfiTier::new(&cfg);
+            let t = Instant::now();
+            out_c = Some(replay(&mut c, &requests, args.key_len));
+            runs.push((rust_ns, t.elapsed().as_nanos() as f64));
+            rust = Some(r);
+        }
+        let (out, rust) = (out.expect("ran"), rust.expect("ran"));
+        assert_eq!(Some(out), out_c, "the C ABI and the Rust API disagree");
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let rust_ns = median(runs.iter().map(|r| r.0).collect());
+        let c_ns = median(runs.iter().map(|r| r.1).collect());
         let s = rust.manager.stats();
         println!(
             "{policy:?}: hit rate {:.2}% of blocks ({} of {}), stored {}, evicted {}, no-room requests {}",
@@ -105,7 +121,7 @@ fn main() -> ExitCode {
             out.no_room
         );
         println!(
-            "  Rust API: {:.1} ns/block, {:.2} us/request; C ABI: {:.1} ns/block, {:.2} us/request (one run)",
+            "  Rust API: {:.1} ns/block, {:.2} us/request; C ABI: {:.1} ns/block, {:.2} us/request (median of {RUNS} runs)",
             rust_ns / out.blocks as f64,
             rust_ns / out.requests as f64 / 1e3,
             c_ns / out.blocks as f64,
