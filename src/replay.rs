@@ -77,6 +77,12 @@ pub trait Tier {
     fn lookup_prefix(&mut self, keys: &[u8]) -> usize;
     /// Touch `keys`.
     fn touch(&mut self, keys: &[u8]);
+    /// Maximal ready prefix of `keys`, then touch them all.
+    fn lookup_prefix_touch(&mut self, keys: &[u8]) -> usize {
+        let hits = self.lookup_prefix(keys);
+        self.touch(keys);
+        hits
+    }
     /// Pin and release `keys` (a load that completes at once).
     fn load(&mut self, keys: &[u8]);
     /// Store `keys` and complete the stores at once; returns the stored count or `None` on
@@ -88,8 +94,7 @@ pub trait Tier {
 pub fn replay(tier: &mut impl Tier, requests: &[Vec<u8>], key_len: usize) -> ReplayOutcome {
     let mut out = ReplayOutcome::default();
     for keys in requests {
-        let hits = tier.lookup_prefix(keys);
-        tier.touch(keys);
+        let hits = tier.lookup_prefix_touch(keys);
         if hits > 0 {
             tier.load(&keys[..hits * key_len]);
         }
@@ -152,6 +157,12 @@ impl Tier for RustTier {
 
     fn touch(&mut self, keys: &[u8]) {
         self.manager.touch(keys).expect("touch");
+    }
+
+    fn lookup_prefix_touch(&mut self, keys: &[u8]) -> usize {
+        let n = keys.len() / self.manager.key_len();
+        let p = self.manager.lookup_prefix_touch(keys, 0..n);
+        p.expect("lookup_prefix_touch").hits
     }
 
     fn load(&mut self, keys: &[u8]) {

@@ -585,6 +585,9 @@ enum Sel {
 enum Op {
     Lookup(Sel),
     LookupPrefix(Vec<Sel>),
+    /// `lookup_prefix_touch(keys, from..)`: a prefix lookup of the keys from `from` (clamped),
+    /// then a touch of all (as a scheduler's match).
+    LookupPrefixTouch(Vec<Sel>, usize),
     PrepareLoad(Vec<Sel>),
     Touch(Vec<Sel>),
     CompleteLoad(Vec<Sel>),
@@ -608,6 +611,7 @@ enum Op {
 enum Call {
     Lookup(u64),
     LookupPrefix(Vec<u64>),
+    LookupPrefixTouch(Vec<u64>, usize),
     PrepareLoad(Vec<u64>),
     Touch(Vec<u64>),
     CompleteLoad(Vec<u64>),
@@ -624,6 +628,11 @@ impl Op {
         match self {
             Op::Lookup(s) => vec![Call::Lookup(resolve(model, *s))],
             Op::LookupPrefix(s) => vec![Call::LookupPrefix(all(s))],
+            Op::LookupPrefixTouch(s, from) => {
+                let ks = all(s);
+                let from = (*from).min(ks.len());
+                vec![Call::LookupPrefixTouch(ks, from)]
+            }
             Op::PrepareLoad(s) => vec![Call::PrepareLoad(all(s))],
             Op::Touch(s) => vec![Call::Touch(all(s))],
             Op::TouchReady(r) => {
@@ -719,6 +728,7 @@ fn op_strategy(lookup_weight: u32) -> impl Strategy<Value = Op> {
     prop_oneof![
         lookup_weight => lookup_sel.prop_map(Op::Lookup),
         2 => keys(prefix_sel.boxed(), 4).prop_map(Op::LookupPrefix),
+        2 => (keys(touch_sel.clone().boxed(), 5), 0..3usize).prop_map(|(k, f)| Op::LookupPrefixTouch(k, f)),
         2 => keys(load_sel.boxed(), 3).prop_map(Op::PrepareLoad),
         4 => keys(touch_sel.boxed(), 4).prop_map(Op::Touch),
         2 => (0..6usize).prop_map(Op::TouchReady),
@@ -846,6 +856,16 @@ impl Harness {
                 let expect = self.model.lookup_prefix(&ks);
                 self.note(format!(" -> {real:?}"));
                 prop_assert_eq!(real, expect, "lookup_prefix{}", self.tr());
+            }
+            Call::LookupPrefixTouch(ks, from) => {
+                let real = self
+                    .m
+                    .lookup_prefix_touch(&enc(&ks), from..ks.len())
+                    .unwrap();
+                let expect = self.model.lookup_prefix(&ks[from..]);
+                self.model.policy_touch(&ks);
+                self.note(format!(" -> {real:?}"));
+                prop_assert_eq!(real, expect, "lookup_prefix_touch{}", self.tr());
             }
             Call::PrepareLoad(ks) => {
                 let mut out = vec![u32::MAX; ks.len()];

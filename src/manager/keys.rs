@@ -195,21 +195,24 @@ impl KeyTable {
         self.layout = (at, self.table.num_buckets() - 1);
     }
 
-    /// Starts loading the index lines that a lookup or insert of `hash` reads (its control
-    /// group and the buckets beside it), so that the misses of many keys overlap. Relies on
-    /// hashbrown's layout (bucket `i` just below the control bytes, at `i + 1` buckets from
-    /// their start; probing starts at `hash & mask`); if that ever changes, only speed suffers:
-    /// a prefetch never faults.
+    /// Starts loading the index lines that a lookup of `hash` reads first (its control group),
+    /// so that the misses of many keys overlap; with `buckets`, also the buckets beside it, which
+    /// a hit or an insert reads or writes. Relies on hashbrown's layout (bucket `i` just below
+    /// the control bytes, at `i + 1` buckets from their start; probing starts at `hash & mask`);
+    /// if that ever changes, only speed suffers: a prefetch never faults. Small tables (in the
+    /// CPU caches anyway) are not prefetched.
     #[inline]
-    pub fn prefetch(&self, hash: u64) {
+    pub fn prefetch(&self, hash: u64, buckets: bool) {
         let (end, mask) = self.layout;
         if mask < PREFETCH_MIN_BUCKETS {
             return;
         }
         let pos = hash as usize & mask;
         prefetch_line(end.wrapping_add(pos));
-        prefetch_line(end.wrapping_sub((pos + 16) * BUCKET));
-        prefetch_line(end.wrapping_sub(pos * BUCKET + 1));
+        if buckets {
+            prefetch_line(end.wrapping_sub((pos + 16) * BUCKET));
+            prefetch_line(end.wrapping_sub(pos * BUCKET + 1));
+        }
     }
 
     /// Removes the entry of `id`; returns whether it was present.

@@ -18,6 +18,7 @@ pub use events::{Event, EventLog};
 use crate::error::{Error, Result, invalid};
 use keys::KeyTable;
 use pool::SlotPool;
+use std::ops::Range;
 use tracker::Tracker;
 
 /// Longest supported key, in bytes.
@@ -260,7 +261,7 @@ impl Manager {
         self.scratch_hash.clear();
         for key in keys.chunks_exact(self.cfg.key_len) {
             let h = self.keys.hash(key);
-            self.keys.prefetch(h);
+            self.keys.prefetch(h, false);
             self.scratch_hash.push(h);
         }
         self.scratch_slot.clear();
@@ -275,7 +276,7 @@ impl Manager {
     /// of several coming calls at once. Changes nothing, counts nothing.
     pub fn prefetch(&self, keys: &[u8]) {
         for key in keys.chunks_exact(self.cfg.key_len) {
-            self.keys.prefetch(self.keys.hash(key));
+            self.keys.prefetch(self.keys.hash(key), true);
         }
     }
 
@@ -294,11 +295,18 @@ impl Manager {
     #[inline]
     fn lookup_one(&mut self, key: &[u8]) -> Lookup {
         let h = self.keys.hash(key);
+        let id = self.keys.find_hashed(h, key);
+        self.count_lookup(h, key, id)
+    }
+
+    /// Counts a lookup of `key` (hash `h`, key-table id `id`) and answers it.
+    #[inline]
+    fn count_lookup(&mut self, h: u64, key: &[u8], id: Option<u32>) -> Lookup {
         if let Some(t) = &mut self.tracker {
             t.record(h, key);
         }
         self.stats.lookups += 1;
-        match self.slot(self.keys.find_hashed(h, key)) {
+        match self.slot(id) {
             None => Lookup::Miss,
             Some(s) if self.slots[s as usize].ref_cnt == IN_FLIGHT => Lookup::Retry,
             Some(_) => {
@@ -366,22 +374,58 @@ impl Manager {
     /// first key ends most recent; ARC promotes and adapts its target. Unknown keys are ignored.
     pub fn touch(&mut self, keys: &[u8]) -> Result<()> {
         self.check_keys(keys, "keys")?;
-        let kl = self.cfg.key_len;
-        for key in keys.chunks_exact(kl).rev() {
+        for key in keys.chunks_exact(self.cfg.key_len).rev() {
             let id = self.keys.find_hashed(self.keys.hash(key), key);
-            match &mut self.policy {
-                PolicyImpl::Lru(l) => {
-                    if let Some(s) = id {
-                        l.touch(s);
-                    }
-                }
-                PolicyImpl::Arc(a) => a.touch(id.map(|i| {
-                    let r = self.slots.get(i as usize).map_or(0, |st| st.ref_cnt);
-                    (i, r)
-                })),
-            }
+            self.touch_id(id);
         }
         Ok(())
+    }
+
+    /// One key of a touch, by its key-table id.
+    #[inline]
+    fn touch_id(&mut self, id: Option<u32>) {
+        match &mut self.policy {
+            PolicyImpl::Lru(l) => {
+                if let Some(s) = id {
+                    l.touch(s);
+                }
+            }
+            PolicyImpl::Arc(a) => a.touch(id.map(|i| {
+                let r = self.slots.get(i as usize).map_or(0, |st| st.ref_cnt);
+                (i, r)
+            })),
+        }
+    }
+
+    /// [`Self::lookup_prefix`] of the keys `lookup` (indices into `keys`), then
+    /// [`Self::touch`] of all `keys`, finding each key once: what a scheduler's match does.
+    /// Fails with [`Error::InvalidArgument`], changing nothing, if `lookup` is not within `keys`.
+    pub fn lookup_prefix_touch(
+        &mut self,
+        keys: &[u8],
+        lookup: Range<usize>,
+    ) -> Result<PrefixLookup> {
+        let n = self.check_keys(keys, "keys")?;
+        if lookup.start > lookup.end || lookup.end > n {
+            return Err(invalid!("lookup: {lookup:?} is not within the {n} keys"));
+        }
+        self.resolve(keys);
+        let kl = self.cfg.key_len;
+        let mut out = PrefixLookup::default();
+        for i in lookup {
+            let id = Some(self.scratch_slot[i]).filter(|&s| s != ABSENT);
+            match self.count_lookup(self.scratch_hash[i], key_at(keys, kl, i as u32), id) {
+                Lookup::Miss => break,
+                Lookup::Retry => out.retry = true,
+                Lookup::Hit => {}
+            }
+            out.hits += 1;
+        }
+        for i in (0..n).rev() {
+            let id = Some(self.scratch_slot[i]).filter(|&s| s != ABSENT);
+            self.touch_id(id);
+        }
+        Ok(out)
     }
 
     /// Releases one load pin of each key (a key listed twice is released twice). Fails, changing

@@ -417,6 +417,39 @@ fn store_threshold_filters_until_looked_up_enough() {
     assert_eq!(store(&mut m, &[1]).unwrap().0, Vec::<u32>::new());
 }
 
+/// The fused lookup + touch answers like `lookup_prefix` on its range and leaves the LRU order
+/// of `touch` on all keys; a range beyond the keys fails and changes nothing.
+#[test]
+fn lookup_prefix_touch_is_lookup_then_touch() {
+    let mut a = mgr(8, Policy::Lru);
+    let mut b = mgr(8, Policy::Lru);
+    for m in [&mut a, &mut b] {
+        stored(m, &[1, 2, 3, 4]);
+        store(m, &[5]).unwrap();
+    }
+    let ks = keys(&[9, 2, 3, 5, 4, 1]);
+    let fused = a.lookup_prefix_touch(&ks, 1..5).unwrap();
+    let split = b.lookup_prefix(&ks[8..40]).unwrap();
+    b.touch(&ks).unwrap();
+    assert_eq!(fused, split);
+    assert_eq!(
+        fused,
+        PrefixLookup {
+            hits: 4,
+            retry: true
+        }
+    );
+    assert_eq!(a.lru_order(), b.lru_order());
+    assert_eq!(a.stats(), b.stats());
+    let before = a.stats();
+    let order = a.lru_order();
+    assert!(matches!(
+        a.lookup_prefix_touch(&ks, 2..7),
+        Err(Error::InvalidArgument(m)) if m.contains("lookup")
+    ));
+    assert_eq!((a.stats(), a.lru_order()), (before, order));
+}
+
 #[test]
 fn prefix_lookup_maximal_prefix_rule() {
     let mut m = mgr(8, Policy::Lru);

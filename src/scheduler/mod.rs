@@ -354,7 +354,6 @@ impl Scheduler {
         }
         r.num_local_computed = num_computed_tokens;
         let result = lookup(&mut self.manager, r, num_computed_tokens, obs, kl)?;
-        self.manager.touch(&r.keys)?;
         match result {
             Match::Defer(DeferReason::StoreInFlight) => self.stats.deferred_store_in_flight += 1,
             Match::Defer(_) => self.stats.deferred_being_loaded += 1,
@@ -969,14 +968,16 @@ fn recycle<T>(spare: &mut Vec<Vec<T>>, v: Vec<T>) {
 }
 
 /// The single-group lookup of reference §4.2.1: the ready chunks after the GPU hit `c` tokens.
+/// Then touches all the request's keys (in the same pass over the tier's index).
 fn lookup(m: &mut Manager, r: &Request, c: u64, obs: u64, kl: usize) -> Result<Match> {
     let nk = r.num_keys(kl);
     let max_hit = r.num_tokens.min(nk * obs);
     if max_hit < c.saturating_add(obs) {
+        m.touch(&r.keys)?;
         return Ok(Match::Miss);
     }
     let (start, end) = (c / obs, max_hit.div_ceil(obs).min(nk));
-    let p = m.lookup_prefix(r.keys_of(kl, start, end))?;
+    let p = m.lookup_prefix_touch(&r.keys, start as usize..end as usize)?;
     if p.hits == 0 {
         return Ok(Match::Miss);
     }
