@@ -319,10 +319,28 @@ impl Manager {
     /// The maximal-prefix rule: looks keys up in order until the first miss; a key whose store is
     /// in flight counts as a hit while scanning, and then the whole answer must be retried.
     pub fn lookup_prefix(&mut self, keys: &[u8]) -> Result<PrefixLookup> {
-        self.check_keys(keys, "keys")?;
+        let n = self.check_keys(keys, "keys")?;
+        let kl = self.cfg.key_len;
+        // Hashes run AHEAD keys in front of the lookups, each prefetched when computed.
+        const AHEAD: usize = 8;
+        let mut ahead = [0u64; AHEAD];
+        let hash_at = |m: &Self, i: usize| {
+            let h = m.keys.hash(key_at(keys, kl, i as u32));
+            m.keys.prefetch(h, true);
+            h
+        };
+        for (i, h) in ahead.iter_mut().enumerate().take(n) {
+            *h = hash_at(self, i);
+        }
         let mut out = PrefixLookup::default();
-        for key in keys.chunks_exact(self.cfg.key_len) {
-            match self.lookup_one(key) {
+        for i in 0..n {
+            let h = ahead[i % AHEAD];
+            if i + AHEAD < n {
+                ahead[i % AHEAD] = hash_at(self, i + AHEAD);
+            }
+            let key = key_at(keys, kl, i as u32);
+            let id = self.keys.find_hashed(h, key);
+            match self.count_lookup(h, key, id) {
                 Lookup::Miss => break,
                 Lookup::Retry => out.retry = true,
                 Lookup::Hit => {}
