@@ -15,6 +15,8 @@ pub(crate) struct KeyTable {
     arena: Vec<u8>,
     table: HashTable<u32>,
     hasher: DefaultHashBuilder,
+    /// Bumped by every change of the key → id mapping (for callers that cache lookups).
+    version: u64,
     /// The table's memory as of the last insert, for [`Self::prefetch`]: the address where
     /// hashbrown's buckets end and its control bytes begin, and the bucket mask (0, 0: unknown).
     layout: (usize, usize),
@@ -121,6 +123,7 @@ impl KeyTable {
             table,
             hasher,
             layout: (0, 0),
+            version: 0,
         })
     }
 
@@ -170,6 +173,7 @@ impl KeyTable {
     /// Moves the entry of `from` (which must be present) to the absent id `to`: its record is
     /// copied, and the table entry rewritten in place (no removal, no insertion).
     pub fn rename(&mut self, from: u32, to: u32) {
+        self.version += 1;
         let h = self.stored_hash(from);
         *self
             .table
@@ -183,6 +187,7 @@ impl KeyTable {
 
     /// Stores `key` (which must be absent) under `id`.
     pub fn insert_hashed(&mut self, hash: u64, id: u32, key: &[u8]) {
+        self.version += 1;
         let (stride, kl) = (self.stride, self.key_len);
         let record = self.record_mut(id);
         record[..8].copy_from_slice(&hash.to_ne_bytes());
@@ -217,6 +222,7 @@ impl KeyTable {
 
     /// Removes the entry of `id`; returns whether it was present.
     pub fn remove_id(&mut self, id: u32) -> bool {
+        self.version += 1;
         match self.table.find_entry(self.stored_hash(id), |&i| i == id) {
             Ok(e) => {
                 e.remove();
@@ -231,7 +237,14 @@ impl KeyTable {
     }
 
     pub fn clear(&mut self) {
+        self.version += 1;
         self.table.clear();
+    }
+
+    /// Changes whenever the key → id mapping may have changed.
+    #[inline]
+    pub fn version(&self) -> u64 {
+        self.version
     }
 }
 

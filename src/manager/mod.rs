@@ -149,8 +149,13 @@ pub struct Manager {
     events: EventLog,
     stats: ManagerStats,
     // Scratch space reused by every call (no allocation per key once warm).
+    /// What `resolve` found: hashes and key-table ids of the keys in `resolved_keys`, valid
+    /// while the key table's version is `resolved_version` (a later call on the same keys, or on
+    /// a prefix of them, reuses them).
     scratch_hash: Vec<u64>,
     scratch_slot: Vec<u32>,
+    resolved_keys: Vec<u8>,
+    resolved_version: u64,
     scratch_victims: Vec<u32>,
     scratch_new: Vec<u32>,
     scratch_pairs: Vec<(u64, u32)>,
@@ -212,6 +217,8 @@ impl Manager {
             tracker,
             scratch_hash: Vec::new(),
             scratch_slot: Vec::new(),
+            resolved_keys: Vec::new(),
+            resolved_version: u64::MAX,
             scratch_victims: Vec::new(),
             scratch_new: Vec::new(),
             scratch_pairs: Vec::new(),
@@ -254,10 +261,21 @@ impl Manager {
         (id as usize) < self.cfg.num_slots
     }
 
-    /// Resolves every key of `keys` into `scratch_hash` / `scratch_slot` (the key-table id: a
-    /// slot, an ARC ghost, or ABSENT):
-    /// hashes and prefetches all, then looks them up, so that the misses overlap on large tiers.
-    fn resolve(&mut self, keys: &[u8]) {
+    /// Resolves every key of `keys` into the first entries of `scratch_hash` / `scratch_slot`
+    /// (the key-table id: a slot, an ARC ghost, or ABSENT); returns their number. Reuses the
+    /// last resolution when `keys` are its keys or a prefix of them and the key table has not
+    /// changed since (a match's lookup then its load, a load then its store). Otherwise hashes
+    /// and prefetches all, then looks them up, so that the misses overlap on large tiers.
+    fn resolve(&mut self, keys: &[u8]) -> usize {
+        let n = keys.len() / self.cfg.key_len;
+        if self.resolved_version == self.keys.version()
+            && self.resolved_keys.get(..keys.len()) == Some(keys)
+        {
+            return n;
+        }
+        self.resolved_keys.clear();
+        self.resolved_keys.extend_from_slice(keys);
+        self.resolved_version = self.keys.version();
         self.scratch_hash.clear();
         for key in keys.chunks_exact(self.cfg.key_len) {
             let h = self.keys.hash(key);
@@ -269,6 +287,7 @@ impl Manager {
             self.scratch_slot
                 .push(self.keys.find_hashed(h, key).unwrap_or(ABSENT));
         }
+        n
     }
 
     /// Starts loading into the CPU caches the index entries that calls on `keys` will read, so
@@ -363,7 +382,7 @@ impl Manager {
             });
         }
         self.resolve(keys);
-        for (i, &s) in self.scratch_slot.iter().enumerate() {
+        for (i, &s) in self.scratch_slot[..n].iter().enumerate() {
             if !self.is_slot(s) {
                 return Err(Error::NotFound(format!("keys[{i}]: not stored")));
             }
@@ -373,7 +392,7 @@ impl Manager {
                 )));
             }
         }
-        for (i, &s) in self.scratch_slot.iter().enumerate() {
+        for (i, &s) in self.scratch_slot[..n].iter().enumerate() {
             let r = &mut self.slots[s as usize].ref_cnt;
             if *r == 0 {
                 self.stats.evictable -= 1;
@@ -391,9 +410,10 @@ impl Manager {
     /// Marks keys as used: LRU moves the evictable ones to the most-recent end so that the
     /// first key ends most recent; ARC promotes and adapts its target. Unknown keys are ignored.
     pub fn touch(&mut self, keys: &[u8]) -> Result<()> {
-        self.check_keys(keys, "keys")?;
-        for key in keys.chunks_exact(self.cfg.key_len).rev() {
-            let id = self.keys.find_hashed(self.keys.hash(key), key);
+        let n = self.check_keys(keys, "keys")?;
+        self.resolve(keys);
+        for i in (0..n).rev() {
+            let id = Some(self.scratch_slot[i]).filter(|&s| s != ABSENT);
             self.touch_id(id);
         }
         Ok(())
@@ -449,11 +469,11 @@ impl Manager {
     /// Releases one load pin of each key (a key listed twice is released twice). Fails, changing
     /// nothing, if a key is not stored ([`Error::NotFound`]) or not pinned ([`Error::InvalidState`]).
     pub fn complete_load(&mut self, keys: &[u8]) -> Result<()> {
-        self.check_keys(keys, "keys")?;
+        let n = self.check_keys(keys, "keys")?;
         self.resolve(keys);
         // Validate by releasing, undo, then apply in order (exact order of "becomes evictable").
         let mut failed = None;
-        for (i, &s) in self.scratch_slot.iter().enumerate() {
+        for (i, &s) in self.scratch_slot[..n].iter().enumerate() {
             if !self.is_slot(s) {
                 failed = Some((i, Error::NotFound(format!("keys[{i}]: not stored"))));
                 break;
@@ -465,14 +485,14 @@ impl Manager {
             }
             self.slots[s as usize].ref_cnt -= 1;
         }
-        let done = failed.as_ref().map_or(self.scratch_slot.len(), |f| f.0);
+        let done = failed.as_ref().map_or(n, |f| f.0);
         for &s in &self.scratch_slot[..done] {
             self.slots[s as usize].ref_cnt += 1;
         }
         if let Some((_, e)) = failed {
             return Err(e);
         }
-        for &s in &self.scratch_slot {
+        for &s in &self.scratch_slot[..n] {
             let r = &mut self.slots[s as usize].ref_cnt;
             *r -= 1;
             if *r == 0 {

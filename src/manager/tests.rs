@@ -450,6 +450,44 @@ fn lookup_prefix_touch_is_lookup_then_touch() {
     assert_eq!((a.stats(), a.lru_order()), (before, order));
 }
 
+/// Calls on the same keys (or a prefix) reuse the last resolution only while the key table is
+/// unchanged: every insert, removal, rename and reset invalidates it.
+#[test]
+fn reused_resolutions_follow_every_change_of_the_index() {
+    for policy in [Policy::Lru, Policy::Arc] {
+        let mut m = mgr(4, policy);
+        let ks = keys(&[1, 2, 3]);
+        m.touch(&ks).unwrap();
+        assert_eq!(store(&mut m, &[1, 2, 3]).unwrap().1, vec![0, 1, 2]);
+        assert!(matches!(
+            m.prepare_load(&ks[..8], &mut [0]),
+            Err(Error::InvalidState(_))
+        ));
+        m.complete_store(&ks, true).unwrap();
+        let p = m.lookup_prefix_touch(&ks, 0..3).unwrap();
+        assert_eq!(p.hits, 3);
+        assert_eq!(m.discard(&ks[8..16]).unwrap(), 1);
+        assert!(matches!(
+            m.prepare_load(&ks, &mut [0; 3]),
+            Err(Error::NotFound(e)) if e.contains("keys[1]")
+        ));
+        // Evictions (ARC: renamed to ghosts) change the index too.
+        m.touch(&ks).unwrap();
+        stored(&mut m, &[4, 5, 6]);
+        m.touch(&ks).unwrap();
+        let p = m.lookup_prefix_touch(&ks, 0..3).unwrap();
+        let fresh = ks
+            .chunks(8)
+            .take_while(|k| m.ref_count(k).is_some())
+            .count();
+        assert_eq!(m.stats().evictions, 1);
+        assert_eq!(p.hits, fresh, "{policy:?}");
+        m.reset();
+        assert_eq!(m.lookup_prefix_touch(&keys(&[4]), 0..1).unwrap().hits, 0);
+        m.check_invariants().unwrap();
+    }
+}
+
 #[test]
 fn prefix_lookup_maximal_prefix_rule() {
     let mut m = mgr(8, Policy::Lru);
