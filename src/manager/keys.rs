@@ -196,7 +196,21 @@ impl KeyTable {
         let entry = self
             .table
             .insert_unique(hash, id, |&i| record_hash(arena, stride, i));
-        let at = (entry.get() as *const u32).addr() + (entry.bucket_index() + 1) * BUCKET;
+        // The table's memory moves only when it grows (to more buckets).
+        let buckets = entry.into_table().num_buckets();
+        if buckets != self.layout.1 + 1 && buckets > PREFETCH_MIN_BUCKETS {
+            self.note_layout(hash, id);
+        }
+    }
+
+    /// Records where the table's memory is (for [`Self::prefetch`]), from the entry of `id`.
+    #[cold]
+    fn note_layout(&mut self, hash: u64, id: u32) {
+        let i = self
+            .table
+            .find_bucket_index(hash, |&x| x == id)
+            .expect("just inserted");
+        let at = (self.table.get_bucket(i).expect("full") as *const u32).addr() + (i + 1) * BUCKET;
         self.layout = (at, self.table.num_buckets() - 1);
     }
 
@@ -256,7 +270,8 @@ mod tests {
     /// buckets below the recorded address, and probing starts in the group at `hash & mask`.
     #[test]
     fn prefetch_layout_matches_hashbrown() {
-        let mut t = KeyTable::new(8, 1000).unwrap();
+        // Large enough to be prefetched (small tables are not).
+        let mut t = KeyTable::new(8, 70_000).unwrap();
         for id in 0..1000u32 {
             let key = u64::from(id).to_le_bytes();
             t.insert_hashed(t.hash(&key), id, &key);
