@@ -127,11 +127,15 @@ impl KeyTable {
         })
     }
 
-    /// Hash of a key: its bytes only (keys have one fixed width, so no length prefix).
+    /// Hash of a key: its bytes only (keys have one fixed width, so no length prefix); 8-byte
+    /// keys as one word.
     #[inline]
     pub fn hash(&self, key: &[u8]) -> u64 {
         let mut h = self.hasher.build_hasher();
-        h.write(key);
+        match <[u8; 8]>::try_from(key) {
+            Ok(word) => h.write_u64(u64::from_ne_bytes(word)),
+            Err(_) => h.write(key),
+        }
         h.finish()
     }
 
