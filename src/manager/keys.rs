@@ -190,6 +190,7 @@ impl KeyTable {
     }
 
     /// Stores `key` (which must be absent) under `id`.
+    #[inline]
     pub fn insert_hashed(&mut self, hash: u64, id: u32, key: &[u8]) {
         self.version += 1;
         let (stride, kl) = (self.stride, self.key_len);
@@ -239,6 +240,7 @@ impl KeyTable {
     }
 
     /// Removes the entry of `id`; returns whether it was present.
+    #[inline]
     pub fn remove_id(&mut self, id: u32) -> bool {
         self.version += 1;
         match self.table.find_entry(self.stored_hash(id), |&i| i == id) {
