@@ -94,6 +94,18 @@ impl KeyTable {
         Self::with_hasher(key_len, capacity, DefaultHashBuilder::default())
     }
 
+    /// Reserves room for `extra` more entries, with ids up to `capacity + extra`, without
+    /// touching the memory (it is used as they come). Fails with [`Error::OutOfMemory`].
+    pub fn reserve_more(&mut self, extra: usize) -> Result<()> {
+        let oom = || Error::OutOfMemory(format!("key table room for {extra} more keys"));
+        let bytes = extra.checked_mul(self.stride).ok_or_else(oom)?;
+        self.arena.try_reserve_exact(bytes).map_err(|_| oom())?;
+        let (arena, stride) = (&self.arena, self.stride);
+        self.table
+            .try_reserve(extra, |&i| record_hash(arena, stride, i))
+            .map_err(|_| oom())
+    }
+
     /// A table hashing like `self`, so one hash serves both.
     pub fn sibling(&self, capacity: usize) -> Result<Self> {
         Self::with_hasher(self.key_len, capacity, self.hasher.clone())
@@ -168,8 +180,10 @@ impl KeyTable {
     fn record_mut(&mut self, id: u32) -> &mut [u8] {
         let at = id as usize * self.stride;
         if self.arena.len() < at + self.stride {
-            self.arena
-                .resize((at + self.stride).max(self.arena.len() * 2), 0);
+            // Doubling, but within the reserved capacity when that suffices (no copy).
+            let want = (at + self.stride).max(self.arena.len() * 2);
+            let fit = self.arena.capacity().max(at + self.stride);
+            self.arena.resize(want.min(fit), 0);
         }
         &mut self.arena[at..at + self.stride]
     }

@@ -195,9 +195,11 @@ impl Manager {
             ));
         }
         let n = cfg.num_slots;
-        // ARC's ghost entries (at most two lists of n keys) share the key table.
-        let entries = if cfg.policy == Policy::Arc { 3 * n } else { n };
-        let keys = KeyTable::new(cfg.key_len, entries)?;
+        let mut keys = KeyTable::new(cfg.key_len, n)?;
+        if cfg.policy == Policy::Arc {
+            // ARC's ghost entries (two lists of at most n keys) share the key table.
+            keys.reserve_more(n.saturating_mul(2))?;
+        }
         let policy = match cfg.policy {
             Policy::Lru => PolicyImpl::Lru(lru::Lru::new(n)?),
             Policy::Arc => PolicyImpl::Arc(Box::new(arc::Arc::new(n)?)),
