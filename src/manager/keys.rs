@@ -124,9 +124,11 @@ impl KeyTable {
             .try_reserve_exact(bytes)
             .map_err(|_| oom("key arena"))?;
         arena.resize(bytes, 0);
+        // Room for 7/4 of the keys: the table stays at most ~57 % full (short probes, and
+        // removals leave fewer tombstones in full groups).
         let mut table = HashTable::new();
         table
-            .try_reserve(capacity, |_: &u32| 0)
+            .try_reserve(capacity.saturating_add(capacity / 4 * 3), |_: &u32| 0)
             .map_err(|_| oom("key table"))?;
         Ok(Self {
             key_len,
