@@ -954,8 +954,7 @@ fn take_cleared<T>(spare: &mut Vec<Vec<T>>) -> Vec<T> {
 
 /// A spare buffer (or a new one) holding a copy of `data`.
 fn take_filled<T: Copy>(spare: &mut Vec<Vec<T>>, data: &[T]) -> Vec<T> {
-    let mut v = spare.pop().unwrap_or_default();
-    v.clear();
+    let mut v = take_cleared(spare);
     v.extend_from_slice(data);
     v
 }
