@@ -1,8 +1,8 @@
 //! `kvo_manager_*`: the offload tier index ([`crate::manager::Manager`]) behind a C handle.
 
 use super::{
-    Failure, FfiResult, copy_events, guard, handle, kvo_status, lock, non_null, read_config, slice,
-    slice_mut, write, write_sized,
+    Failure, FfiResult, copy_events, free_handle, give, guard, handle, kvo_status, lock, non_null,
+    read_config, slice, slice_mut, write, write_sized,
 };
 use crate::manager::{Lookup, Manager, ManagerConfig, ManagerStats, Policy};
 use std::sync::Mutex;
@@ -196,11 +196,11 @@ pub unsafe extern "C" fn kvo_manager_new(
         let c = unsafe { read_config(cfg, "cfg") }?;
         non_null(out, "out")?;
         let m = Manager::new(to_config(&c)?).map_err(|e| Failure::from(e).prefixed("cfg->"))?;
-        write(
+        give(
             out,
-            Box::into_raw(Box::new(kvo_manager {
+            kvo_manager {
                 inner: Mutex::new(m),
-            })),
+            },
         );
         Ok(())
     })
@@ -212,13 +212,8 @@ pub unsafe extern "C" fn kvo_manager_new(
 /// `m` is NULL or a handle from `kvo_manager_new` not freed yet.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn kvo_manager_free(m: *mut kvo_manager) {
-    let _ = guard(|| {
-        if !m.is_null() {
-            // SAFETY: a live handle from kvo_manager_new, freed once.
-            drop(unsafe { Box::from_raw(m) });
-        }
-        Ok(())
-    });
+    // SAFETY: forwarded from the caller.
+    unsafe { free_handle(m) }
 }
 
 /// Borrows the handle and the `n_keys * key_len` bytes of `keys`, then runs `f`.

@@ -176,6 +176,25 @@ pub(crate) fn write<T>(p: *mut T, v: T) {
     unsafe { p.write(v) }
 }
 
+/// Hands a new handle owning `value` to the caller through `out` (checked earlier).
+pub(crate) fn give<T>(out: *mut *mut T, value: T) {
+    write(out, Box::into_raw(Box::new(value)));
+}
+
+/// Frees a handle made by [`give`]; NULL is ignored.
+///
+/// # Safety
+/// `p` is NULL or a handle from [`give`] not freed yet, used by no other call.
+pub(crate) unsafe fn free_handle<T>(p: *mut T) {
+    let _ = guard(|| {
+        if !p.is_null() {
+            // SAFETY: a live handle from `give`, freed once (the caller's contract).
+            drop(unsafe { Box::from_raw(p) });
+        }
+        Ok(())
+    });
+}
+
 /// Fails with `KVO_STATUS_NULL_ARGUMENT` if `p` is NULL.
 pub(crate) fn non_null<T>(p: *const T, name: &str) -> FfiResult {
     if p.is_null() {

@@ -2,8 +2,8 @@
 
 use super::manager::policy_from;
 use super::{
-    Failure, copy_events, guard, handle, kvo_event, kvo_manager_stats, kvo_status, kvo_step, lock,
-    non_null, read_config, slice, write, write_sized,
+    Failure, copy_events, free_handle, give, guard, handle, kvo_event, kvo_manager_stats,
+    kvo_status, kvo_step, lock, non_null, read_config, slice, write, write_sized,
 };
 use crate::scheduler::{
     DeferReason, JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig,
@@ -244,11 +244,11 @@ pub unsafe extern "C" fn kvo_scheduler_new(
         let c = unsafe { read_config(cfg, "cfg") }?;
         non_null(out, "out")?;
         let s = Scheduler::new(to_config(&c)?).map_err(|e| Failure::from(e).prefixed("cfg->"))?;
-        write(
+        give(
             out,
-            Box::into_raw(Box::new(kvo_scheduler {
+            kvo_scheduler {
                 inner: Mutex::new(s),
-            })),
+            },
         );
         Ok(())
     })
@@ -260,13 +260,8 @@ pub unsafe extern "C" fn kvo_scheduler_new(
 /// `s` is NULL or a handle from `kvo_scheduler_new` not freed yet.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn kvo_scheduler_free(s: *mut kvo_scheduler) {
-    let _ = guard(|| {
-        if !s.is_null() {
-            // SAFETY: a live handle, freed once.
-            drop(unsafe { Box::from_raw(s) });
-        }
-        Ok(())
-    });
+    // SAFETY: forwarded from the caller.
+    unsafe { free_handle(s) }
 }
 
 /// Starts tracking a request of `prompt_tokens` tokens; `max_offload_tokens` caps the tokens

@@ -1,6 +1,8 @@
 //! `kvo_step_*`: a step plan (the jobs of one step and the flush set) and its binary encoding.
 
-use super::{Failure, guard, handle, kvo_status, lock, non_null, slice, slice_mut, write};
+use super::{
+    Failure, free_handle, give, guard, handle, kvo_status, lock, non_null, slice, slice_mut, write,
+};
 use crate::scheduler::{JobKind, Step};
 use std::sync::{Mutex, MutexGuard};
 
@@ -89,11 +91,11 @@ const STEP: &str = "step";
 pub unsafe extern "C" fn kvo_step_new(out: *mut *mut kvo_step) -> kvo_status {
     guard(|| {
         non_null(out, "out")?;
-        write(
+        give(
             out,
-            Box::into_raw(Box::new(kvo_step {
+            kvo_step {
                 inner: Mutex::new(StepState::default()),
-            })),
+            },
         );
         Ok(())
     })
@@ -105,13 +107,8 @@ pub unsafe extern "C" fn kvo_step_new(out: *mut *mut kvo_step) -> kvo_status {
 /// `step` is NULL or a handle from `kvo_step_new` not freed yet.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn kvo_step_free(step: *mut kvo_step) {
-    let _ = guard(|| {
-        if !step.is_null() {
-            // SAFETY: a live handle from kvo_step_new, freed once.
-            drop(unsafe { Box::from_raw(step) });
-        }
-        Ok(())
-    });
+    // SAFETY: forwarded from the caller.
+    unsafe { free_handle(step) }
 }
 
 /// Writes the plan's summary to `*out`.

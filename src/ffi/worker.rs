@@ -1,8 +1,8 @@
 //! `kvo_worker_*`: block copies ([`crate::transfer::Worker`]) behind a C handle.
 
 use super::{
-    Failure, copy_c_string, guard, handle, kvo_status, kvo_step, lock, non_null, read_config,
-    slice, slice_mut, write,
+    Failure, copy_c_string, free_handle, give, guard, handle, kvo_status, kvo_step, lock, non_null,
+    read_config, slice, slice_mut, write,
 };
 use crate::scheduler::JobKind;
 use crate::transfer::{BackendKind, Completion, JobBlocks, KvTensor, Worker, WorkerConfig};
@@ -212,11 +212,11 @@ pub unsafe extern "C" fn kvo_worker_new(
             errors: VecDeque::new(),
             scratch: Vec::new(),
         };
-        write(
+        give(
             out,
-            Box::into_raw(Box::new(kvo_worker {
+            kvo_worker {
                 inner: Mutex::new(state),
-            })),
+            },
         );
         Ok(())
     })
@@ -229,13 +229,8 @@ pub unsafe extern "C" fn kvo_worker_new(
 /// `w` is NULL or a handle from `kvo_worker_new` not freed yet.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn kvo_worker_free(w: *mut kvo_worker) {
-    let _ = guard(|| {
-        if !w.is_null() {
-            // SAFETY: a live handle, freed once.
-            drop(unsafe { Box::from_raw(w) });
-        }
-        Ok(())
-    });
+    // SAFETY: forwarded from the caller.
+    unsafe { free_handle(w) }
 }
 
 /// Submits one job: `kind` a `kvo_job_kind`; `src`/`dst` block ids as in a step plan (load:
