@@ -1042,9 +1042,13 @@ fn run_case(setup: Setup, ops: &[Op]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// `cases` unless `PROPTEST_CASES` says otherwise (for longer runs by hand).
 fn config(cases: u32) -> ProptestConfig {
     ProptestConfig {
-        cases,
+        cases: std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(cases),
         // Only tests/manager_model.rs is ours: no regression files next to it.
         failure_persistence: None,
         ..ProptestConfig::default()
