@@ -255,6 +255,21 @@ impl KeyTable {
         }
     }
 
+    /// Starts loading what removing the entries of `ids` reads (their records, then their index
+    /// lines), all ids' misses overlapping. Small tables are not prefetched.
+    pub fn prefetch_entries(&self, ids: &[u32]) {
+        if self.layout.1 < PREFETCH_MIN_BUCKETS {
+            return;
+        }
+        let base = self.arena.as_ptr().addr();
+        for &id in ids {
+            prefetch_line(base + id as usize * self.stride);
+        }
+        for &id in ids {
+            self.prefetch(self.stored_hash(id), true);
+        }
+    }
+
     /// Removes the entry of `id`; returns whether it was present.
     #[inline]
     pub fn remove_id(&mut self, id: u32) -> bool {

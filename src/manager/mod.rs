@@ -605,6 +605,7 @@ impl Manager {
             if !ok {
                 return Err(no_room());
             }
+            self.keys.prefetch_entries(&self.scratch_victims);
             self.evict_victims(&mut out_evicted[..need * kl]);
         }
         self.stats.stores_skipped += skipped;
