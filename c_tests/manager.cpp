@@ -14,40 +14,7 @@
 
 namespace {
 
-int passed = 0;
-int failed = 0;
-
-void check(bool ok, int line, const char *what) {
-    if (ok) {
-        ++passed;
-    } else {
-        ++failed;
-        std::printf("FAIL line %d: %s\n", line, what);
-    }
-}
-
-#define CHECK(cond) check(static_cast<bool>(cond), __LINE__, #cond)
-
-std::string last_error() {
-    const std::size_t n = kvo_last_error_message(nullptr, 0);
-    std::string msg(n + 1, '\0');
-    kvo_last_error_message(&msg[0], msg.size());
-    msg.resize(n);
-    return msg;
-}
-
-#define CHECK_STATUS(call, want)                                                               \
-    do {                                                                                       \
-        const kvo_status st_ = (call);                                                         \
-        if (st_ == (want)) {                                                                   \
-            ++passed;                                                                          \
-        } else {                                                                               \
-            ++failed;                                                                          \
-            std::printf("FAIL line %d: %s returned %d, want %d (%s)\n", __LINE__, #call,       \
-                        static_cast<int>(st_), static_cast<int>(want), last_error().c_str());  \
-        }                                                                                      \
-    } while (0)
-#define CHECK_OK(call) CHECK_STATUS(call, KVO_STATUS_OK)
+#include "check.hpp"
 
 // The RAII wrapper: the handle is freed exactly once, whatever path leaves the scope.
 struct ManagerFree {
