@@ -251,16 +251,22 @@ impl Manager {
         Ok(keys.len() / kl)
     }
 
-    /// The slot of a key-table id (ids beyond the slots are ARC's ghost entries).
-    #[inline]
-    fn slot(&self, id: Option<u32>) -> Option<u32> {
-        id.filter(|&i| (i as usize) < self.cfg.num_slots)
-    }
-
-    /// Whether a `scratch_slot` entry is a slot (not ABSENT, not a ghost).
+    /// Whether a key-table id is a slot (not ABSENT, not one of ARC's ghost entries).
     #[inline]
     fn is_slot(&self, id: u32) -> bool {
         (id as usize) < self.cfg.num_slots
+    }
+
+    /// The slot of a key-table id, if it is one.
+    #[inline]
+    fn slot(&self, id: Option<u32>) -> Option<u32> {
+        id.filter(|&i| self.is_slot(i))
+    }
+
+    /// The key-table id `resolve` found for key `i`, if any.
+    #[inline]
+    fn resolved_id(&self, i: usize) -> Option<u32> {
+        Some(self.scratch_slot[i]).filter(|&s| s != ABSENT)
     }
 
     /// Resolves every key of `keys` into the first entries of `scratch_hash` / `scratch_slot`
@@ -415,7 +421,7 @@ impl Manager {
         let n = self.check_keys(keys, "keys")?;
         self.resolve(keys);
         for i in (0..n).rev() {
-            let id = Some(self.scratch_slot[i]).filter(|&s| s != ABSENT);
+            let id = self.resolved_id(i);
             self.touch_id(id);
         }
         Ok(())
@@ -453,7 +459,7 @@ impl Manager {
         let kl = self.cfg.key_len;
         let mut out = PrefixLookup::default();
         for i in lookup {
-            let id = Some(self.scratch_slot[i]).filter(|&s| s != ABSENT);
+            let id = self.resolved_id(i);
             match self.count_lookup(self.scratch_hash[i], key_at(keys, kl, i as u32), id) {
                 Lookup::Miss => break,
                 Lookup::Retry => out.retry = true,
@@ -462,7 +468,7 @@ impl Manager {
             out.hits += 1;
         }
         for i in (0..n).rev() {
-            let id = Some(self.scratch_slot[i]).filter(|&s| s != ABSENT);
+            let id = self.resolved_id(i);
             self.touch_id(id);
         }
         Ok(out)

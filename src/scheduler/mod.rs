@@ -568,7 +568,9 @@ impl Scheduler {
             self.scratch_chunks.push(n);
         }
         for (i, s) in scheduled.iter().enumerate() {
-            // The next storing request touches all its keys: start their misses now.
+            // The next storing request touches all its keys: start their misses now. Its store
+            // candidates were prefetched above already, but by now they may have left the
+            // closer caches; prefetching only the others measured 20 % slower.
             if let Some(next) = scheduled.get(i + 1) {
                 let r = &self.requests[&next.request_id];
                 if self.scratch_chunks[i + 1] > r.next_stored_chunk {
