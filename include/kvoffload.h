@@ -963,7 +963,9 @@ kvo_status kvo_manager_complete_store(struct kvo_manager *m,
  * [`kvo_manager_complete_store`] for keys whose slots the caller kept from
  * `kvo_manager_prepare_store` (`slots[i]` for `keys[i]`): a slot whose store is in flight and
  * holds the key is taken without a hash lookup; any other slot is only a wrong hint, and the key
- * is looked up. The fast way to complete a store job.
+ * is looked up. The fast way to complete a store job. `keys` and `slots` are only read during
+ * the call (the caller keeps them); any thread may call it, serialized with the handle's other
+ * calls.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` on
  * overflow or a slot not below `num_slots` (nothing changed).
