@@ -327,7 +327,7 @@ typedef struct kvo_manager_config {
    */
   uint32_t policy;
   /**
-   * Number of host slots, below 2^32 - 1 (default 0).
+   * Number of host slots: below 2^32 - 1 for LRU, at most (2^32 - 1) / 5 for ARC (default 0).
    */
   uint64_t num_slots;
   /**

@@ -39,7 +39,7 @@ pub struct kvo_manager_config {
     pub key_len: u32,
     /// A `kvo_policy` value (default `KVO_POLICY_LRU`).
     pub policy: u32,
-    /// Number of host slots, below 2^32 - 1 (default 0).
+    /// Number of host slots: below 2^32 - 1 for LRU, at most (2^32 - 1) / 5 for ARC (default 0).
     pub num_slots: u64,
     /// When >= 2, a key is stored only after this many lookups (default 0: off).
     pub store_threshold: u32,

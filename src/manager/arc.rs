@@ -5,81 +5,31 @@
 use super::keys::KeyTable;
 use super::list::{Links, List, NIL};
 
+/// List tags of an entry: none, the stored lists T1/T2, the ghost lists B1/B2 (a ghost's list
+/// is its former stored list + 2).
 const NONE: u8 = 0;
 const T1: u8 = 1;
 const T2: u8 = 2;
-const B1: u8 = 1;
-const B2: u8 = 2;
+const B1: u8 = 3;
 
+/// An entry is one key the policy knows: stored in a slot (T1/T2) or remembered after its
+/// eviction (B1/B2). Entries are the key-table ids, so an eviction or a revival only relinks
+/// the entry and changes its slot, and the key table is left alone. The manager sees a stored
+/// key as its slot and a ghost as `capacity + entry` (see [`Arc::id`]).
 #[derive(Clone)]
 pub(crate) struct Arc {
     capacity: usize,
     /// vLLM's `target_t1_size`, a float as in the reference.
     target: f64,
+    /// Per entry: its links, its list (index into `lists`), its slot (`NIL` for a ghost).
     links: Links,
     tag: Vec<u8>,
-    t1: List,
-    t2: List,
-    ghosts: Ghosts,
-}
-
-/// Evicted keys. They stay in the manager's key table under ids `capacity + g` (slots are
-/// below `capacity`), so one lookup tells stored, ghost or unknown, and an eviction or a revival
-/// only renames the entry. `g` indexes the links and tags below.
-#[derive(Clone)]
-struct Ghosts {
-    base: u32,
-    links: Links,
-    tag: Vec<u8>,
-    b1: List,
-    b2: List,
+    slot_of: Vec<u32>,
+    /// Per slot: its entry (`NIL` when free).
+    entry_of: Vec<u32>,
+    /// Indexed by tag: `[unused, T1, T2, B1, B2]`, each LRU first.
+    lists: [List; 5],
     free: Vec<u32>,
-}
-
-impl Ghosts {
-    fn list(&mut self, which: u8) -> &mut List {
-        if which == B1 {
-            &mut self.b1
-        } else {
-            &mut self.b2
-        }
-    }
-
-    /// A free ghost index.
-    fn alloc(&mut self) -> u32 {
-        self.free.pop().unwrap_or_else(|| {
-            self.tag.push(NONE);
-            self.links.grow_to(self.tag.len());
-            self.tag.len() as u32 - 1
-        })
-    }
-
-    /// Unlinks ghost `g` and frees its index (its key-table entry is the caller's).
-    fn release(&mut self, g: u32) {
-        let which = std::mem::replace(&mut self.tag[g as usize], NONE);
-        let list = if which == B1 {
-            &mut self.b1
-        } else {
-            &mut self.b2
-        };
-        self.links.unlink(list, g);
-        self.free.push(g);
-    }
-
-    fn trim(&mut self, which: u8, capacity: usize, keys: &mut KeyTable) {
-        while self.list(which).len > capacity {
-            let g = self.list(which).head;
-            self.release(g);
-            keys.remove_id(self.base + g);
-        }
-    }
-
-    fn clear(&mut self) {
-        self.links.clear(&mut self.b1);
-        self.links.clear(&mut self.b2);
-        self.tag.clear();
-        self.free.clear();
-    }
 }
 
 /// T1/T2 slots and B1/B2 keys (LRU first) and the target.
@@ -94,108 +44,147 @@ pub(crate) struct ArcSnapshot {
 }
 
 impl Arc {
-    /// ARC over slots `0..num_slots`; ghost ids in the key table start at `num_slots`.
+    /// ARC over slots `0..num_slots`.
     pub fn new(num_slots: usize) -> crate::Result<Self> {
         Ok(Self {
             capacity: num_slots,
             target: 0.0,
             links: Links::with_len(num_slots)?,
             tag: super::filled(num_slots, NONE, "ARC tags")?,
-            t1: List::default(),
-            t2: List::default(),
-            ghosts: Ghosts {
-                base: num_slots as u32,
-                links: Links::default(),
-                tag: Vec::new(),
-                b1: List::default(),
-                b2: List::default(),
-                free: Vec::new(),
-            },
+            slot_of: super::filled(num_slots, NIL, "ARC slots")?,
+            entry_of: super::filled(num_slots, NIL, "ARC entries")?,
+            lists: [List::default(); 5],
+            free: (0..num_slots as u32).rev().collect(),
         })
     }
 
-    /// The ghost index of key-table id `id`, if `id` is a live ghost entry.
+    /// The manager's id of key-table entry `e`: its slot, or `capacity + e` for a ghost.
+    #[inline]
+    pub fn id(&self, e: u32) -> u32 {
+        match self.slot_of[e as usize] {
+            NIL => self.capacity as u32 + e,
+            s => s,
+        }
+    }
+
+    /// The key-table entry of occupied slot `slot` (`NIL` if the slot is free).
+    #[inline]
+    pub fn entry(&self, slot: u32) -> u32 {
+        self.entry_of[slot as usize]
+    }
+
+    /// The ghost entry behind manager id `id`, if `id` names a live ghost.
     fn ghost(&self, id: u32) -> Option<u32> {
-        let g = id.checked_sub(self.ghosts.base)?;
-        (self.ghosts.tag.get(g as usize).is_some_and(|&t| t != NONE)).then_some(g)
+        let e = id.checked_sub(self.capacity as u32)?;
+        (self.tag.get(e as usize).is_some_and(|&t| t >= B1)).then_some(e)
     }
 
-    /// A new (in-flight) slot goes to the T1 MRU end. Its key enters the key table: `id` is
-    /// what the table held for it before this call's evictions (a ghost id, or `u32::MAX`);
-    /// a ghost entry still holding the key is renamed to `slot` and leaves the ghost lists.
+    /// A free entry.
+    fn alloc(&mut self) -> u32 {
+        self.free.pop().unwrap_or_else(|| {
+            self.tag.push(NONE);
+            self.slot_of.push(NIL);
+            self.links.grow_to(self.tag.len());
+            self.tag.len() as u32 - 1
+        })
+    }
+
+    /// Moves entry `e` from its list to the tail of list `to`.
+    #[inline]
+    fn relink(&mut self, e: u32, to: u8) {
+        let from = std::mem::replace(&mut self.tag[e as usize], to);
+        self.links.unlink(&mut self.lists[from as usize], e);
+        self.links.push_back(&mut self.lists[to as usize], e);
+    }
+
+    /// A new (in-flight) slot goes to the T1 MRU end with its key: `id` is what the manager
+    /// resolved for the key before this call's evictions (a ghost, or anything else); a ghost
+    /// that still holds the key is revived (it leaves its ghost list), else the key is added.
     pub fn insert(&mut self, slot: u32, id: u32, hash: u64, key: &[u8], keys: &mut KeyTable) {
-        self.tag[slot as usize] = T1;
-        self.links.push_back(&mut self.t1, slot);
-        match self.ghost(id) {
-            Some(g) if keys.key(id) == key => {
-                self.ghosts.release(g);
-                keys.rename(id, slot);
+        let e = match self.ghost(id) {
+            Some(e) if keys.key(e) == key => {
+                keys.note_change();
+                self.relink(e, T1);
+                e
             }
-            _ => keys.insert_hashed(hash, slot, key),
+            _ => {
+                let e = self.alloc();
+                keys.insert_hashed(hash, e, key);
+                self.tag[e as usize] = T1;
+                self.links.push_back(&mut self.lists[T1 as usize], e);
+                e
+            }
+        };
+        self.slot_of[e as usize] = slot;
+        self.entry_of[slot as usize] = e;
+    }
+
+    /// Drops a slot and its key without a ghost entry.
+    pub fn remove(&mut self, slot: u32, keys: &mut KeyTable) {
+        let e = std::mem::replace(&mut self.entry_of[slot as usize], NIL);
+        if e != NIL {
+            self.release(e, keys);
         }
     }
 
-    /// Drops a slot from T1/T2 without a ghost entry.
-    pub fn remove(&mut self, slot: u32) {
-        match std::mem::replace(&mut self.tag[slot as usize], NONE) {
-            T1 => self.links.unlink(&mut self.t1, slot),
-            T2 => self.links.unlink(&mut self.t2, slot),
-            _ => {}
-        }
+    /// Unlinks entry `e`, drops its key and frees it.
+    fn release(&mut self, e: u32, keys: &mut KeyTable) {
+        let t = std::mem::replace(&mut self.tag[e as usize], NONE);
+        self.links.unlink(&mut self.lists[t as usize], e);
+        self.slot_of[e as usize] = NIL;
+        keys.remove_id(e);
+        self.free.push(e);
     }
 
-    /// One key of a touch (the manager walks the keys in reverse order): `id` is what the key
-    /// table holds for the key (a slot, with its reference count, or a ghost id), if anything.
+    /// One key of a touch (the manager walks the keys in reverse order): `id` is the manager's
+    /// id of the key (a slot, with its reference count, or a ghost), if it has one.
     pub fn touch(&mut self, id: Option<(u32, i32)>) {
         let Some((id, ref_cnt)) = id else {
             return;
         };
         if (id as usize) < self.capacity {
-            let slot = id;
-            match self.tag[slot as usize] {
-                T1 if ref_cnt == -1 => self.links.move_to_back(&mut self.t1, slot),
-                T1 => {
-                    self.links.unlink(&mut self.t1, slot);
-                    self.tag[slot as usize] = T2;
-                    self.links.push_back(&mut self.t2, slot);
-                }
-                T2 => self.links.move_to_back(&mut self.t2, slot),
+            let e = self.entry_of[id as usize];
+            match self.tag[e as usize] {
+                T1 if ref_cnt == -1 => self.links.move_to_back(&mut self.lists[T1 as usize], e),
+                T1 => self.relink(e, T2),
+                T2 => self.links.move_to_back(&mut self.lists[T2 as usize], e),
                 _ => {}
             }
             return;
         }
-        let Some(g) = self.ghost(id) else {
+        let Some(e) = self.ghost(id) else {
             return;
         };
-        let (b1, b2) = (self.ghosts.b1.len as f64, self.ghosts.b2.len as f64);
-        if self.ghosts.tag[g as usize] == B1 {
+        let (b1, b2) = self.num_ghosts();
+        let (b1, b2) = (b1 as f64, b2 as f64);
+        let t = self.tag[e as usize];
+        if t == B1 {
             let delta = f64::max(1.0, b2 / b1);
             self.target = f64::min(self.target + delta, self.capacity as f64);
-            self.ghosts.links.move_to_back(&mut self.ghosts.b1, g);
         } else {
             let delta = f64::max(1.0, b1 / b2);
             self.target = f64::max(self.target - delta, 0.0);
-            self.ghosts.links.move_to_back(&mut self.ghosts.b2, g);
         }
+        self.links.move_to_back(&mut self.lists[t as usize], e);
     }
 
-    /// Picks `n` victims with the reference's rule, changing nothing; false when it cannot.
-    /// While the simulated T1 size is below `int(target)`, T1 is not scanned at all (the quirk).
-    /// `eligible`: ready, unpinned and not protected.
+    /// Picks `n` victims (slots) with the reference's rule, changing nothing; false when it
+    /// cannot. While the simulated T1 size is below `int(target)`, T1 is not scanned at all
+    /// (the quirk). `eligible`: ready, unpinned and not protected.
     pub fn pick_victims(
         &self,
         n: usize,
         eligible: impl Fn(u32) -> bool,
         out: &mut Vec<u32>,
     ) -> bool {
-        let mut virtual_t1 = self.t1.len;
-        let (mut c1, mut c2) = (self.t1.head, self.t2.head);
+        let mut virtual_t1 = self.lists[T1 as usize].len;
+        let (mut c1, mut c2) = (self.lists[T1 as usize].head, self.lists[T2 as usize].head);
         for _ in 0..n {
             let mut picked = false;
             if virtual_t1 >= self.target as usize {
                 while c1 != NIL {
-                    let s = c1;
-                    c1 = self.links.next(s);
+                    let s = self.slot_of[c1 as usize];
+                    c1 = self.links.next(c1);
                     if eligible(s) {
                         out.push(s);
                         virtual_t1 -= 1;
@@ -206,8 +195,8 @@ impl Arc {
             }
             if !picked {
                 while c2 != NIL {
-                    let s = c2;
-                    c2 = self.links.next(s);
+                    let s = self.slot_of[c2 as usize];
+                    c2 = self.links.next(c2);
                     if eligible(s) {
                         out.push(s);
                         picked = true;
@@ -222,60 +211,61 @@ impl Arc {
         true
     }
 
-    /// Evicts picked victims: each moves to its ghost list (T1→B1, T2→B2), its key-table entry
-    /// renamed to the ghost id; then both ghost lists are trimmed to the capacity.
+    /// Evicts picked victims (slots): each one's entry moves to its ghost list (T1→B1, T2→B2)
+    /// and loses its slot; then both ghost lists are trimmed to the capacity.
     pub fn evict(&mut self, victims: &[u32], keys: &mut KeyTable) {
         for &s in victims {
-            let which = if self.tag[s as usize] == T1 { B1 } else { B2 };
-            self.remove(s);
-            let g = self.ghosts.alloc();
-            self.ghosts.tag[g as usize] = which;
-            let list = if which == B1 {
-                &mut self.ghosts.b1
-            } else {
-                &mut self.ghosts.b2
-            };
-            self.ghosts.links.push_back(list, g);
-            keys.rename(s, self.ghosts.base + g);
+            let e = std::mem::replace(&mut self.entry_of[s as usize], NIL);
+            let t = self.tag[e as usize];
+            self.relink(e, t + 2);
+            self.slot_of[e as usize] = NIL;
         }
-        self.ghosts.trim(B1, self.capacity, keys);
-        self.ghosts.trim(B2, self.capacity, keys);
+        keys.note_change();
+        for b in [B1, B1 + 1] {
+            while self.lists[b as usize].len > self.capacity {
+                let e = self.lists[b as usize].head;
+                self.release(e, keys);
+            }
+        }
     }
 
-    /// Empties every list (the manager clears the key table).
+    /// Empties every list and frees every entry (the manager clears the key table).
     pub fn clear(&mut self) {
-        for t in &mut self.tag {
-            *t = NONE;
+        for list in &mut self.lists {
+            self.links.clear(list);
         }
-        self.links.clear(&mut self.t1);
-        self.links.clear(&mut self.t2);
-        self.ghosts.clear();
+        self.tag.iter_mut().for_each(|t| *t = NONE);
+        self.slot_of.iter_mut().for_each(|s| *s = NIL);
+        self.entry_of.iter_mut().for_each(|e| *e = NIL);
+        self.free.clear();
+        self.free.extend((0..self.tag.len() as u32).rev());
         self.target = 0.0;
     }
 
     /// The lists (LRU first) and the target, for tests.
     #[cfg(test)]
     pub fn snapshot(&self, keys: &KeyTable) -> ArcSnapshot {
-        let walk = |links: &Links, l: &List| {
+        let walk = |t: u8| {
             let mut v = vec![];
-            let mut c = l.head;
+            let mut c = self.lists[t as usize].head;
             while c != NIL {
                 v.push(c);
-                c = links.next(c);
+                c = self.links.next(c);
             }
             v
         };
-        let g = &self.ghosts;
-        let gk = |ids: Vec<u32>| {
-            ids.into_iter()
-                .map(|i| keys.key(g.base + i).to_vec())
+        let slots = |t| {
+            walk(t)
+                .into_iter()
+                .map(|e| self.slot_of[e as usize])
                 .collect()
         };
+        let ghosts = |t| walk(t).into_iter().map(|e| keys.key(e).to_vec()).collect();
         ArcSnapshot {
-            t1: walk(&self.links, &self.t1),
-            t2: walk(&self.links, &self.t2),
-            b1: gk(walk(&g.links, &g.b1)),
-            b2: gk(walk(&g.links, &g.b2)),
+            t1: slots(T1),
+            t2: slots(T2),
+            b1: ghosts(B1),
+            b2: ghosts(B1 + 1),
             target: self.target,
         }
     }
@@ -286,10 +276,10 @@ impl Arc {
     }
 
     pub fn num_ghosts(&self) -> (usize, usize) {
-        (self.ghosts.b1.len, self.ghosts.b2.len)
+        (self.lists[B1 as usize].len, self.lists[B1 as usize + 1].len)
     }
 
     pub fn listed(&self) -> usize {
-        self.t1.len + self.t2.len
+        self.lists[T1 as usize].len + self.lists[T2 as usize].len
     }
 }

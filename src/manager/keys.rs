@@ -166,11 +166,6 @@ impl KeyTable {
     }
 
     #[inline]
-    pub fn find(&self, key: &[u8]) -> Option<u32> {
-        self.find_hashed(self.hash(key), key)
-    }
-
-    #[inline]
     pub fn find_hashed(&self, hash: u64, key: &[u8]) -> Option<u32> {
         let (arena, stride, kl) = (&self.arena, self.stride, self.key_len);
         self.table
@@ -190,19 +185,10 @@ impl KeyTable {
         &mut self.arena[at..at + self.stride]
     }
 
-    /// Moves the entry of `from` (which must be present) to the absent id `to`: its record is
-    /// copied, and the table entry rewritten in place (no removal, no insertion).
-    pub fn rename(&mut self, from: u32, to: u32) {
+    /// Bumps the version for a change of the key → id mapping made outside the table (a
+    /// caller that maps ids further, like ARC's ghosts).
+    pub fn note_change(&mut self) {
         self.version += 1;
-        let h = self.stored_hash(from);
-        *self
-            .table
-            .find_mut(h, |&i| i == from)
-            .expect("renamed id is present") = to;
-        self.record_mut(to);
-        let (stride, at) = (self.stride, from as usize * self.stride);
-        self.arena
-            .copy_within(at..at + stride, to as usize * stride);
     }
 
     /// Stores `key` (which must be absent) under `id`.
@@ -257,15 +243,15 @@ impl KeyTable {
 
     /// Starts loading what removing the entries of `ids` reads (their records, then their index
     /// lines), all ids' misses overlapping. Small tables are not prefetched.
-    pub fn prefetch_entries(&self, ids: &[u32]) {
+    pub fn prefetch_entries(&self, ids: impl Iterator<Item = u32> + Clone) {
         if self.layout.1 < PREFETCH_MIN_BUCKETS {
             return;
         }
         let base = self.arena.as_ptr().addr();
-        for &id in ids {
+        for id in ids.clone() {
             prefetch_line(base + id as usize * self.stride);
         }
-        for &id in ids {
+        for id in ids {
             self.prefetch(self.stored_hash(id), true);
         }
     }

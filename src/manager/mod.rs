@@ -39,7 +39,8 @@ pub enum Policy {
 pub struct ManagerConfig {
     /// Width of every key in bytes, `1..=64`.
     pub key_len: usize,
-    /// Number of host slots (offloaded blocks the tier holds), `< u32::MAX`.
+    /// Number of host slots (offloaded blocks the tier holds): below `u32::MAX` for LRU, at
+    /// most `u32::MAX / 5` for ARC (which also names the evicted keys it remembers).
     pub num_slots: usize,
     /// Eviction policy.
     pub policy: Policy,
@@ -181,11 +182,16 @@ impl Manager {
                 cfg.key_len
             ));
         }
-        if cfg.num_slots >= u32::MAX as usize {
+        // ARC names up to 4n keys (n stored, 2n ghosts, n just evicted) by ids up to 5n.
+        let max_slots = match cfg.policy {
+            Policy::Lru => u32::MAX as usize - 1,
+            Policy::Arc => u32::MAX as usize / 5,
+        };
+        if cfg.num_slots > max_slots {
             return Err(invalid!(
-                "num_slots: {} is not below {}",
+                "num_slots: {} is above {max_slots} for {:?}",
                 cfg.num_slots,
-                u32::MAX
+                cfg.policy
             ));
         }
         if cfg.store_threshold >= 2 && cfg.max_tracker_size == 0 {
@@ -263,6 +269,41 @@ impl Manager {
         id.filter(|&i| self.is_slot(i))
     }
 
+    /// The manager's id of key-table entry `e`: a slot, or (ARC) a ghost id beyond the slots.
+    #[inline]
+    fn id_of_entry(&self, e: u32) -> u32 {
+        match &self.policy {
+            PolicyImpl::Lru(_) => e,
+            PolicyImpl::Arc(a) => a.id(e),
+        }
+    }
+
+    /// The key-table entry of occupied slot `s` (`list::NIL` for a free ARC slot).
+    #[inline]
+    fn entry_of_slot(&self, s: u32) -> u32 {
+        match &self.policy {
+            PolicyImpl::Lru(_) => s,
+            PolicyImpl::Arc(a) => a.entry(s),
+        }
+    }
+
+    /// The key held by occupied slot `s`.
+    #[inline]
+    fn slot_key(&self, s: u32) -> &[u8] {
+        self.keys.key(self.entry_of_slot(s))
+    }
+
+    /// The manager's id of a key (see [`Self::id_of_entry`]), if the key table has it.
+    #[inline]
+    fn find_hashed(&self, hash: u64, key: &[u8]) -> Option<u32> {
+        let e = self.keys.find_hashed(hash, key)?;
+        Some(self.id_of_entry(e))
+    }
+
+    fn find(&self, key: &[u8]) -> Option<u32> {
+        self.find_hashed(self.keys.hash(key), key)
+    }
+
     /// The key-table id `resolve` found for key `i`, if any.
     #[inline]
     fn resolved_id(&self, i: usize) -> Option<u32> {
@@ -293,7 +334,7 @@ impl Manager {
         self.scratch_slot.clear();
         for (key, &h) in keys.chunks_exact(self.cfg.key_len).zip(&self.scratch_hash) {
             self.scratch_slot
-                .push(self.keys.find_hashed(h, key).unwrap_or(ABSENT));
+                .push(self.find_hashed(h, key).unwrap_or(ABSENT));
         }
         n
     }
@@ -322,7 +363,7 @@ impl Manager {
     #[inline]
     fn lookup_one(&mut self, key: &[u8]) -> Lookup {
         let h = self.keys.hash(key);
-        let id = self.keys.find_hashed(h, key);
+        let id = self.find_hashed(h, key);
         self.count_lookup(h, key, id)
     }
 
@@ -366,7 +407,7 @@ impl Manager {
                 ahead[i % AHEAD] = hash_at(self, i + AHEAD);
             }
             let key = key_at(keys, kl, i as u32);
-            let id = self.keys.find_hashed(h, key);
+            let id = self.find_hashed(h, key);
             match self.count_lookup(h, key, id) {
                 Lookup::Miss => break,
                 Lookup::Retry => out.retry = true,
@@ -611,7 +652,14 @@ impl Manager {
             if !ok {
                 return Err(no_room());
             }
-            self.keys.prefetch_entries(&self.scratch_victims);
+            match &self.policy {
+                PolicyImpl::Lru(_) => self
+                    .keys
+                    .prefetch_entries(self.scratch_victims.iter().copied()),
+                PolicyImpl::Arc(a) => self
+                    .keys
+                    .prefetch_entries(self.scratch_victims.iter().map(|&s| a.entry(s))),
+            }
             self.evict_victims(&mut out_evicted[..need * kl]);
         }
         self.stats.stores_skipped += skipped;
@@ -718,7 +766,7 @@ impl Manager {
     fn evict_victims(&mut self, out_evicted: &mut [u8]) {
         let kl = self.cfg.key_len;
         for (j, &s) in self.scratch_victims.iter().enumerate() {
-            let key = self.keys.key(s);
+            let key = self.keys.key(self.entry_of_slot(s));
             keys::copy_key(&mut out_evicted[j * kl..(j + 1) * kl], key);
             if self.cfg.enable_events {
                 self.events.push_key(key);
@@ -747,10 +795,12 @@ impl Manager {
     /// Drops slot `s`'s key from the policy and the index and frees the slot.
     fn free_slot(&mut self, s: u32) {
         match &mut self.policy {
-            PolicyImpl::Lru(l) => l.remove(s),
-            PolicyImpl::Arc(a) => a.remove(s),
+            PolicyImpl::Lru(l) => {
+                l.remove(s);
+                self.keys.remove_id(s);
+            }
+            PolicyImpl::Arc(a) => a.remove(s, &mut self.keys),
         }
-        self.keys.remove_id(s);
         self.pool.release(s);
     }
 
@@ -788,9 +838,9 @@ impl Manager {
         }
         for (j, key) in keys.chunks_exact(self.cfg.key_len).enumerate() {
             let hinted = slots.get(j).copied().filter(|&s| {
-                self.slots[s as usize].ref_cnt == IN_FLIGHT && keys::key_eq(self.keys.key(s), key)
+                self.slots[s as usize].ref_cnt == IN_FLIGHT && keys::key_eq(self.slot_key(s), key)
             });
-            let Some(s) = hinted.or_else(|| self.slot(self.keys.find(key))) else {
+            let Some(s) = hinted.or_else(|| self.slot(self.find(key))) else {
                 continue;
             };
             if self.slots[s as usize].ref_cnt != IN_FLIGHT {
@@ -823,7 +873,7 @@ impl Manager {
         if key.len() != self.cfg.key_len {
             return None;
         }
-        self.slot(self.keys.find(key))
+        self.slot(self.find(key))
             .map(|s| self.slots[s as usize].ref_cnt)
     }
 
@@ -835,7 +885,7 @@ impl Manager {
         self.check_keys(keys, "keys")?;
         let mut dropped = 0;
         for key in keys.chunks_exact(self.cfg.key_len) {
-            let Some(s) = self.slot(self.keys.find(key)) else {
+            let Some(s) = self.slot(self.find(key)) else {
                 continue;
             };
             if self.slots[s as usize].ref_cnt != 0 {
@@ -946,7 +996,10 @@ impl Manager {
     }
 
     fn occupied_slots(&self) -> impl Iterator<Item = u32> + '_ {
-        (0..self.cfg.num_slots as u32).filter(|&s| self.keys.find(self.keys.key(s)) == Some(s))
+        (0..self.cfg.num_slots as u32).filter(|&s| {
+            let e = self.entry_of_slot(s);
+            e != list::NIL && self.find(self.keys.key(e)) == Some(s)
+        })
     }
 }
 

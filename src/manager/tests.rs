@@ -212,6 +212,21 @@ fn config_is_validated() {
             },
             "max_tracker_size",
         ),
+        (
+            ManagerConfig {
+                num_slots: u32::MAX as usize,
+                ..Default::default()
+            },
+            "num_slots",
+        ),
+        (
+            ManagerConfig {
+                num_slots: u32::MAX as usize / 5 + 1,
+                policy: Policy::Arc,
+                ..Default::default()
+            },
+            "num_slots",
+        ),
     ] {
         assert!(
             matches!(Manager::new(cfg), Err(Error::InvalidArgument(m)) if m.starts_with(field))
@@ -451,7 +466,7 @@ fn lookup_prefix_touch_is_lookup_then_touch() {
 }
 
 /// Calls on the same keys (or a prefix) reuse the last resolution only while the key table is
-/// unchanged: every insert, removal, rename and reset invalidates it.
+/// unchanged: every insert, removal, eviction, revival and reset invalidates it.
 #[test]
 fn reused_resolutions_follow_every_change_of_the_index() {
     for policy in [Policy::Lru, Policy::Arc] {
@@ -471,7 +486,7 @@ fn reused_resolutions_follow_every_change_of_the_index() {
             m.prepare_load(&ks, &mut [0; 3]),
             Err(Error::NotFound(e)) if e.contains("keys[1]")
         ));
-        // Evictions (ARC: renamed to ghosts) change the index too.
+        // Evictions (ARC: the keys become ghosts) change the index too.
         m.touch(&ks).unwrap();
         stored(&mut m, &[4, 5, 6]);
         m.touch(&ks).unwrap();
@@ -486,6 +501,25 @@ fn reused_resolutions_follow_every_change_of_the_index() {
         assert_eq!(m.lookup_prefix_touch(&keys(&[4]), 0..1).unwrap().hits, 0);
         m.check_invariants().unwrap();
     }
+}
+
+/// An ARC ghost revived into a free slot (no eviction, no key added) changes what the key is:
+/// a later call on the same keys sees its store in flight, not a ghost.
+#[test]
+fn reused_resolution_follows_an_arc_revival() {
+    let mut m = mgr(2, Policy::Arc);
+    stored(&mut m, &[1, 2]);
+    stored(&mut m, &[3]);
+    assert_eq!(arc_state(&m).b1, vec![keys(&[1])]);
+    assert_eq!(m.discard(&keys(&[3])).unwrap(), 1);
+    let one = keys(&[1]);
+    assert_eq!(m.lookup_prefix_touch(&one, 0..1).unwrap().hits, 0);
+    assert_eq!(store(&mut m, &[1]).unwrap().2, Vec::<u64>::new());
+    assert!(matches!(
+        m.prepare_load(&one, &mut [0]),
+        Err(Error::InvalidState(e)) if e.contains("in flight")
+    ));
+    m.check_invariants().unwrap();
 }
 
 #[test]
