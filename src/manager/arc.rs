@@ -100,6 +100,7 @@ impl Arc {
     /// A new (in-flight) slot goes to the T1 MRU end with its key: `id` is what the manager
     /// resolved for the key before this call's evictions (a ghost, or anything else); a ghost
     /// that still holds the key is revived (it leaves its ghost list), else the key is added.
+    #[inline]
     pub fn insert(&mut self, slot: u32, id: u32, hash: u64, key: &[u8], keys: &mut KeyTable) {
         let e = match self.ghost(id) {
             Some(e) if keys.key(e) == key => {
