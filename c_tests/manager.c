@@ -587,6 +587,9 @@ static void test_bad_config(void) {
     bad = cfg;
     bad.num_slots = UINT32_MAX;
     CHECK_STATUS(kvo_manager_new(&bad, &m), KVO_STATUS_INVALID_ARGUMENT, "num_slots");
+    bad.policy = KVO_POLICY_ARC; /* ARC also names its ghosts: at most UINT32_MAX / 5 slots */
+    bad.num_slots = UINT32_MAX / 5 + 1;
+    CHECK_STATUS(kvo_manager_new(&bad, &m), KVO_STATUS_INVALID_ARGUMENT, "num_slots");
     bad = cfg;
     bad.store_threshold = 2;
     bad.max_tracker_size = 0;

@@ -442,7 +442,7 @@ typedef struct kvo_scheduler_config {
    */
   uint32_t policy;
   /**
-   * Host slots (default 0).
+   * Host slots: below 2^32 - 1 for LRU, at most (2^32 - 1) / 5 for ARC (default 0).
    */
   uint64_t num_slots;
   /**

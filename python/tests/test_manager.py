@@ -316,6 +316,11 @@ class ErrorTest(unittest.TestCase):
         with self.assertRaises(TypeError):
             Manager(num_slots="4")
 
+    def test_arc_tier_size_is_bounded(self):
+        with self.assertRaises(InvalidArgumentError) as cm:
+            Manager(num_slots=(2**32 - 1) // 5 + 1, policy="arc")
+        self.assertIn("num_slots", cm.exception.message)
+
     def test_store_threshold_needs_tracker(self):
         with self.assertRaises(InvalidArgumentError) as cm:
             Manager(num_slots=4, store_threshold=2, max_tracker_size=0)

@@ -53,7 +53,7 @@ pub struct kvo_scheduler_config {
     pub block_size_factor: u32,
     /// A `kvo_policy` value (default `KVO_POLICY_LRU`).
     pub policy: u32,
-    /// Host slots (default 0).
+    /// Host slots: below 2^32 - 1 for LRU, at most (2^32 - 1) / 5 for ARC (default 0).
     pub num_slots: u64,
     /// Worker reports that complete a job (GPU ranks), >= 1 (default 1).
     pub num_workers: u32,
