@@ -12,6 +12,23 @@ const T1: u8 = 1;
 const T2: u8 = 2;
 const B1: u8 = 3;
 
+/// What ARC keeps about an entry beside its links: its slot (`NIL` for a ghost) and its list
+/// (a tag, the index into [`Arc::lists`]).
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    slot: u32,
+    tag: u8,
+}
+
+impl Default for Entry {
+    fn default() -> Self {
+        Self {
+            slot: NIL,
+            tag: NONE,
+        }
+    }
+}
+
 /// An entry is one key the policy knows: stored in a slot (T1/T2) or remembered after its
 /// eviction (B1/B2). Entries are the key-table ids, so an eviction or a revival only relinks
 /// the entry and changes its slot, and the key table is left alone. The manager sees a stored
@@ -21,10 +38,8 @@ pub(crate) struct Arc {
     capacity: usize,
     /// vLLM's `target_t1_size`, a float as in the reference.
     target: f64,
-    /// Per entry: its links, its list (index into `lists`), its slot (`NIL` for a ghost).
-    links: Links,
-    tag: Vec<u8>,
-    slot_of: Vec<u32>,
+    /// Per entry: its links, and beside them its slot and list.
+    links: Links<Entry>,
     /// Per slot: its entry (`NIL` when free).
     entry_of: Vec<u32>,
     /// Indexed by tag: `[unused, T1, T2, B1, B2]`, each LRU first.
@@ -50,8 +65,6 @@ impl Arc {
             capacity: num_slots,
             target: 0.0,
             links: Links::with_len(num_slots)?,
-            tag: super::filled(num_slots, NONE, "ARC tags")?,
-            slot_of: super::filled(num_slots, NIL, "ARC slots")?,
             entry_of: super::filled(num_slots, NIL, "ARC entries")?,
             lists: [List::default(); 5],
             free: (0..num_slots as u32).rev().collect(),
@@ -61,7 +74,7 @@ impl Arc {
     /// The manager's id of key-table entry `e`: its slot, or `capacity + e` for a ghost.
     #[inline]
     pub fn id(&self, e: u32) -> u32 {
-        match self.slot_of[e as usize] {
+        match self.links.data(e).slot {
             NIL => self.capacity as u32 + e,
             s => s,
         }
@@ -76,23 +89,22 @@ impl Arc {
     /// The ghost entry behind manager id `id`, if `id` names a live ghost.
     fn ghost(&self, id: u32) -> Option<u32> {
         let e = id.checked_sub(self.capacity as u32)?;
-        (self.tag.get(e as usize).is_some_and(|&t| t >= B1)).then_some(e)
+        ((e as usize) < self.links.len() && self.links.data(e).tag >= B1).then_some(e)
     }
 
     /// A free entry.
     fn alloc(&mut self) -> u32 {
         self.free.pop().unwrap_or_else(|| {
-            self.tag.push(NONE);
-            self.slot_of.push(NIL);
-            self.links.grow_to(self.tag.len());
-            self.tag.len() as u32 - 1
+            let e = self.links.len();
+            self.links.grow_to(e + 1);
+            e as u32
         })
     }
 
     /// Moves entry `e` from its list to the tail of list `to`.
     #[inline]
     fn relink(&mut self, e: u32, to: u8) {
-        let from = std::mem::replace(&mut self.tag[e as usize], to);
+        let from = std::mem::replace(&mut self.links.data_mut(e).tag, to);
         self.links.unlink(&mut self.lists[from as usize], e);
         self.links.push_back(&mut self.lists[to as usize], e);
     }
@@ -111,12 +123,12 @@ impl Arc {
             _ => {
                 let e = self.alloc();
                 keys.insert_hashed(hash, e, key);
-                self.tag[e as usize] = T1;
+                self.links.data_mut(e).tag = T1;
                 self.links.push_back(&mut self.lists[T1 as usize], e);
                 e
             }
         };
-        self.slot_of[e as usize] = slot;
+        self.links.data_mut(e).slot = slot;
         self.entry_of[slot as usize] = e;
     }
 
@@ -130,9 +142,9 @@ impl Arc {
 
     /// Unlinks entry `e`, drops its key and frees it.
     fn release(&mut self, e: u32, keys: &mut KeyTable) {
-        let t = std::mem::replace(&mut self.tag[e as usize], NONE);
+        let t = self.links.data(e).tag;
         self.links.unlink(&mut self.lists[t as usize], e);
-        self.slot_of[e as usize] = NIL;
+        *self.links.data_mut(e) = Entry::default();
         keys.remove_id(e);
         self.free.push(e);
     }
@@ -145,7 +157,7 @@ impl Arc {
         };
         if (id as usize) < self.capacity {
             let e = self.entry_of[id as usize];
-            match self.tag[e as usize] {
+            match self.links.data(e).tag {
                 T1 if ref_cnt == -1 => self.links.move_to_back(&mut self.lists[T1 as usize], e),
                 T1 => self.relink(e, T2),
                 T2 => self.links.move_to_back(&mut self.lists[T2 as usize], e),
@@ -158,7 +170,7 @@ impl Arc {
         };
         let (b1, b2) = self.num_ghosts();
         let (b1, b2) = (b1 as f64, b2 as f64);
-        let t = self.tag[e as usize];
+        let t = self.links.data(e).tag;
         if t == B1 {
             let delta = f64::max(1.0, b2 / b1);
             self.target = f64::min(self.target + delta, self.capacity as f64);
@@ -184,7 +196,7 @@ impl Arc {
             let mut picked = false;
             if virtual_t1 >= self.target as usize {
                 while c1 != NIL {
-                    let s = self.slot_of[c1 as usize];
+                    let s = self.links.data(c1).slot;
                     c1 = self.links.next(c1);
                     if eligible(s) {
                         out.push(s);
@@ -196,7 +208,7 @@ impl Arc {
             }
             if !picked {
                 while c2 != NIL {
-                    let s = self.slot_of[c2 as usize];
+                    let s = self.links.data(c2).slot;
                     c2 = self.links.next(c2);
                     if eligible(s) {
                         out.push(s);
@@ -217,9 +229,9 @@ impl Arc {
     pub fn evict(&mut self, victims: &[u32], keys: &mut KeyTable) {
         for &s in victims {
             let e = std::mem::replace(&mut self.entry_of[s as usize], NIL);
-            let t = self.tag[e as usize];
+            let t = self.links.data(e).tag;
             self.relink(e, t + 2);
-            self.slot_of[e as usize] = NIL;
+            self.links.data_mut(e).slot = NIL;
         }
         keys.note_change();
         for b in [B1, B1 + 1] {
@@ -235,11 +247,12 @@ impl Arc {
         for list in &mut self.lists {
             self.links.clear(list);
         }
-        self.tag.iter_mut().for_each(|t| *t = NONE);
-        self.slot_of.iter_mut().for_each(|s| *s = NIL);
+        for e in 0..self.links.len() as u32 {
+            *self.links.data_mut(e) = Entry::default();
+        }
         self.entry_of.iter_mut().for_each(|e| *e = NIL);
         self.free.clear();
-        self.free.extend((0..self.tag.len() as u32).rev());
+        self.free.extend((0..self.links.len() as u32).rev());
         self.target = 0.0;
     }
 
@@ -258,7 +271,7 @@ impl Arc {
         let slots = |t| {
             walk(t)
                 .into_iter()
-                .map(|e| self.slot_of[e as usize])
+                .map(|e| self.links.data(e).slot)
                 .collect()
         };
         let ghosts = |t| walk(t).into_iter().map(|e| keys.key(e).to_vec()).collect();

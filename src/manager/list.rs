@@ -24,46 +24,80 @@ impl Default for List {
 /// The `prev` of an id that is in no list.
 const OFF: u32 = u32::MAX - 1;
 
-/// `[prev, next]` of every id, side by side (one cache line per id). An id belongs to at most
-/// one list at a time; the owner tracks which.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Links {
-    links: Vec<[u32; 2]>,
+/// One id's links and the owner's data `T` about it, side by side (one cache line).
+#[derive(Debug, Clone, Copy)]
+struct Node<T> {
+    prev: u32,
+    next: u32,
+    data: T,
 }
 
-impl Links {
+/// `[prev, next]` of every id, with a payload `T` per id kept beside them (so that an owner
+/// reading both touches one cache line). An id belongs to at most one list at a time; the
+/// owner tracks which.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Links<T = ()> {
+    nodes: Vec<Node<T>>,
+}
+
+impl<T: Copy + Default> Links<T> {
     pub fn with_len(n: usize) -> crate::Result<Self> {
         Ok(Self {
-            links: super::filled(n, [OFF, NIL], "list links")?,
+            nodes: super::filled(n, Self::unlinked(T::default()), "list links")?,
         })
     }
 
-    /// Makes room for ids `< n`.
-    pub fn grow_to(&mut self, n: usize) {
-        if self.links.len() < n {
-            self.links.resize(n, [OFF, NIL]);
+    fn unlinked(data: T) -> Node<T> {
+        Node {
+            prev: OFF,
+            next: NIL,
+            data,
         }
+    }
+
+    /// Makes room for ids `< n` (with default data).
+    pub fn grow_to(&mut self, n: usize) {
+        if self.nodes.len() < n {
+            self.nodes.resize(n, Self::unlinked(T::default()));
+        }
+    }
+
+    /// The number of ids there is room for.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// The data of `id`.
+    #[inline]
+    pub fn data(&self, id: u32) -> &T {
+        &self.nodes[id as usize].data
+    }
+
+    #[inline]
+    pub fn data_mut(&mut self, id: u32) -> &mut T {
+        &mut self.nodes[id as usize].data
     }
 
     #[inline]
     pub fn next(&self, id: u32) -> u32 {
-        self.links[id as usize][1]
+        self.nodes[id as usize].next
     }
 
     /// Whether `id` is in a list.
     #[inline]
     pub fn is_linked(&self, id: u32) -> bool {
-        self.links[id as usize][0] != OFF
+        self.nodes[id as usize].prev != OFF
     }
 
     /// Appends `id` (not in any list) at the tail (most recently used end).
     #[inline]
     pub fn push_back(&mut self, list: &mut List, id: u32) {
-        self.links[id as usize] = [list.tail, NIL];
+        let node = &mut self.nodes[id as usize];
+        (node.prev, node.next) = (list.tail, NIL);
         if list.tail == NIL {
             list.head = id;
         } else {
-            self.links[list.tail as usize][1] = id;
+            self.nodes[list.tail as usize].next = id;
         }
         list.tail = id;
         list.len += 1;
@@ -72,16 +106,18 @@ impl Links {
     /// Removes `id`, which must be in `list`.
     #[inline]
     pub fn unlink(&mut self, list: &mut List, id: u32) {
-        let [p, n] = std::mem::replace(&mut self.links[id as usize], [OFF, NIL]);
+        let node = &mut self.nodes[id as usize];
+        let (p, n) = (node.prev, node.next);
+        (node.prev, node.next) = (OFF, NIL);
         if p == NIL {
             list.head = n;
         } else {
-            self.links[p as usize][1] = n;
+            self.nodes[p as usize].next = n;
         }
         if n == NIL {
             list.tail = p;
         } else {
-            self.links[n as usize][0] = p;
+            self.nodes[n as usize].prev = p;
         }
         list.len -= 1;
     }
@@ -90,7 +126,9 @@ impl Links {
     pub fn clear(&mut self, list: &mut List) {
         let mut c = list.head;
         while c != NIL {
-            c = std::mem::replace(&mut self.links[c as usize], [OFF, NIL])[1];
+            let node = &mut self.nodes[c as usize];
+            c = node.next;
+            (node.prev, node.next) = (OFF, NIL);
         }
         *list = List::default();
     }
