@@ -40,8 +40,6 @@ pub(crate) struct Arc {
     target: f64,
     /// Per entry: its links, and beside them its slot and list.
     links: Links<Entry>,
-    /// Per slot: its entry (`NIL` when free).
-    entry_of: Vec<u32>,
     /// Indexed by tag: `[unused, T1, T2, B1, B2]`, each LRU first.
     lists: [List; 5],
     free: Vec<u32>,
@@ -65,7 +63,6 @@ impl Arc {
             capacity: num_slots,
             target: 0.0,
             links: Links::with_len(num_slots)?,
-            entry_of: super::filled(num_slots, NIL, "ARC entries")?,
             lists: [List::default(); 5],
             free: (0..num_slots as u32).rev().collect(),
         })
@@ -78,12 +75,6 @@ impl Arc {
             NIL => self.capacity as u32 + e,
             s => s,
         }
-    }
-
-    /// The key-table entry of occupied slot `slot` (`NIL` if the slot is free).
-    #[inline]
-    pub fn entry(&self, slot: u32) -> u32 {
-        self.entry_of[slot as usize]
     }
 
     /// The ghost entry behind manager id `id`, if `id` names a live ghost.
@@ -112,8 +103,16 @@ impl Arc {
     /// A new (in-flight) slot goes to the T1 MRU end with its key: `id` is what the manager
     /// resolved for the key before this call's evictions (a ghost, or anything else); a ghost
     /// that still holds the key is revived (it leaves its ghost list), else the key is added.
+    /// Returns the key's entry (the manager keeps it with the slot).
     #[inline]
-    pub fn insert(&mut self, slot: u32, id: u32, hash: u64, key: &[u8], keys: &mut KeyTable) {
+    pub fn insert(
+        &mut self,
+        slot: u32,
+        id: u32,
+        hash: u64,
+        key: &[u8],
+        keys: &mut KeyTable,
+    ) -> u32 {
         let e = match self.ghost(id) {
             Some(e) if keys.key(e) == key => {
                 keys.note_change();
@@ -129,15 +128,12 @@ impl Arc {
             }
         };
         self.links.data_mut(e).slot = slot;
-        self.entry_of[slot as usize] = e;
+        e
     }
 
-    /// Drops a slot and its key without a ghost entry.
-    pub fn remove(&mut self, slot: u32, keys: &mut KeyTable) {
-        let e = std::mem::replace(&mut self.entry_of[slot as usize], NIL);
-        if e != NIL {
-            self.release(e, keys);
-        }
+    /// Drops a stored entry (its slot is freed) and its key, without a ghost.
+    pub fn remove(&mut self, e: u32, keys: &mut KeyTable) {
+        self.release(e, keys);
     }
 
     /// Unlinks entry `e`, drops its key and frees it.
@@ -149,22 +145,20 @@ impl Arc {
         self.free.push(e);
     }
 
-    /// One key of a touch (the manager walks the keys in reverse order): `id` is the manager's
-    /// id of the key (a slot, with its reference count, or a ghost), if it has one.
-    pub fn touch(&mut self, id: Option<(u32, i32)>) {
-        let Some((id, ref_cnt)) = id else {
-            return;
-        };
-        if (id as usize) < self.capacity {
-            let e = self.entry_of[id as usize];
-            match self.links.data(e).tag {
-                T1 if ref_cnt == -1 => self.links.move_to_back(&mut self.lists[T1 as usize], e),
-                T1 => self.relink(e, T2),
-                T2 => self.links.move_to_back(&mut self.lists[T2 as usize], e),
-                _ => {}
-            }
-            return;
+    /// One stored key of a touch (the manager walks the keys in reverse order): entry `e`,
+    /// whose slot has reference count `ref_cnt`.
+    pub fn touch_stored(&mut self, e: u32, ref_cnt: i32) {
+        match self.links.data(e).tag {
+            T1 if ref_cnt == -1 => self.links.move_to_back(&mut self.lists[T1 as usize], e),
+            T1 => self.relink(e, T2),
+            T2 => self.links.move_to_back(&mut self.lists[T2 as usize], e),
+            _ => {}
         }
+    }
+
+    /// One key of a touch that the manager knows by id `id` beyond the slots: a ghost adapts
+    /// the target and becomes the most recent of its list.
+    pub fn touch_ghost(&mut self, id: u32) {
         let Some(e) = self.ghost(id) else {
             return;
         };
@@ -224,11 +218,10 @@ impl Arc {
         true
     }
 
-    /// Evicts picked victims (slots): each one's entry moves to its ghost list (T1→B1, T2→B2)
+    /// Evicts the entries of picked victims: each moves to its ghost list (T1→B1, T2→B2)
     /// and loses its slot; then both ghost lists are trimmed to the capacity.
-    pub fn evict(&mut self, victims: &[u32], keys: &mut KeyTable) {
-        for &s in victims {
-            let e = std::mem::replace(&mut self.entry_of[s as usize], NIL);
+    pub fn evict(&mut self, entries: impl Iterator<Item = u32>, keys: &mut KeyTable) {
+        for e in entries {
             let t = self.links.data(e).tag;
             self.relink(e, t + 2);
             self.links.data_mut(e).slot = NIL;
@@ -250,7 +243,6 @@ impl Arc {
         for e in 0..self.links.len() as u32 {
             *self.links.data_mut(e) = Entry::default();
         }
-        self.entry_of.iter_mut().for_each(|e| *e = NIL);
         self.free.clear();
         self.free.extend((0..self.links.len() as u32).rev());
         self.target = 0.0;

@@ -192,7 +192,7 @@ impl KeyTable {
     }
 
     /// Stores `key` (which must be absent) under `id`.
-    #[inline]
+    #[inline(always)]
     pub fn insert_hashed(&mut self, hash: u64, id: u32, key: &[u8]) {
         self.version += 1;
         let (stride, kl) = (self.stride, self.key_len);

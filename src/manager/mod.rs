@@ -165,12 +165,16 @@ pub struct Manager {
 }
 
 /// What the manager keeps per slot, side by side (one cache line per slot).
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
+#[repr(align(16))]
 struct SlotState {
     /// -1 store in flight, 0 ready and idle, n > 0 pinned by n loads.
     ref_cnt: i32,
     /// Equal to the manager's epoch when a `prepare_store` protects the slot from eviction.
     stamp: u32,
+    /// The key-table entry of the slot's key: the slot itself for LRU, any entry for ARC
+    /// (`list::NIL` while the slot is free).
+    entry: u32,
 }
 
 impl Manager {
@@ -210,6 +214,15 @@ impl Manager {
             Policy::Lru => PolicyImpl::Lru(lru::Lru::new(n)?),
             Policy::Arc => PolicyImpl::Arc(Box::new(arc::Arc::new(n)?)),
         };
+        let free = SlotState {
+            ref_cnt: 0,
+            stamp: 0,
+            entry: list::NIL,
+        };
+        let mut slots = filled(n, free, "slot states")?;
+        if cfg.policy == Policy::Lru {
+            slots.iter_mut().zip(0..).for_each(|(st, s)| st.entry = s);
+        }
         let tracker = (cfg.store_threshold >= 2)
             .then(|| Tracker::new(cfg.store_threshold, cfg.max_tracker_size, &keys));
         Ok(Self {
@@ -219,7 +232,7 @@ impl Manager {
                 ..Default::default()
             },
             keys,
-            slots: filled(n, SlotState::default(), "slot states")?,
+            slots,
             pool: SlotPool::new(n as u32),
             policy,
             tracker,
@@ -281,10 +294,7 @@ impl Manager {
     /// The key-table entry of occupied slot `s` (`list::NIL` for a free ARC slot).
     #[inline]
     fn entry_of_slot(&self, s: u32) -> u32 {
-        match &self.policy {
-            PolicyImpl::Lru(_) => s,
-            PolicyImpl::Arc(a) => a.entry(s),
-        }
+        self.slots[s as usize].entry
     }
 
     /// The key held by occupied slot `s`.
@@ -486,10 +496,11 @@ impl Manager {
                     l.touch(s);
                 }
             }
-            PolicyImpl::Arc(a) => a.touch(id.map(|i| {
-                let r = self.slots.get(i as usize).map_or(0, |st| st.ref_cnt);
-                (i, r)
-            })),
+            PolicyImpl::Arc(a) => match id.map(|i| (i, self.slots.get(i as usize))) {
+                Some((_, Some(st))) => a.touch_stored(st.entry, st.ref_cnt),
+                Some((ghost, None)) => a.touch_ghost(ghost),
+                None => {}
+            },
         }
     }
 
@@ -661,14 +672,11 @@ impl Manager {
             if !ok {
                 return Err(no_room());
             }
-            match &self.policy {
-                PolicyImpl::Lru(_) => self
-                    .keys
-                    .prefetch_entries(self.scratch_victims.iter().copied()),
-                PolicyImpl::Arc(a) => self
-                    .keys
-                    .prefetch_entries(self.scratch_victims.iter().map(|&s| a.entry(s))),
-            }
+            let entries = self
+                .scratch_victims
+                .iter()
+                .map(|&s| slots[s as usize].entry);
+            self.keys.prefetch_entries(entries);
             self.evict_victims(&mut out_evicted[..need * kl]);
         }
         self.stats.stores_skipped += skipped;
@@ -680,7 +688,8 @@ impl Manager {
             match &mut self.policy {
                 PolicyImpl::Lru(_) => self.keys.insert_hashed(hash, slot, key),
                 PolicyImpl::Arc(a) => {
-                    a.insert(slot, self.scratch_slot[i], hash, key, &mut self.keys)
+                    self.slots[slot as usize].entry =
+                        a.insert(slot, self.scratch_slot[i], hash, key, &mut self.keys)
                 }
             }
             self.slots[slot as usize].ref_cnt = IN_FLIGHT;
@@ -791,7 +800,14 @@ impl Manager {
                     self.keys.remove_id(s);
                 }
             }
-            PolicyImpl::Arc(a) => a.evict(&self.scratch_victims, &mut self.keys),
+            PolicyImpl::Arc(a) => {
+                let slots = &mut self.slots;
+                let entries = self
+                    .scratch_victims
+                    .iter()
+                    .map(|&s| std::mem::replace(&mut slots[s as usize].entry, list::NIL));
+                a.evict(entries, &mut self.keys);
+            }
         }
         for &s in &self.scratch_victims {
             self.pool.release(s);
@@ -808,7 +824,10 @@ impl Manager {
                 l.remove(s);
                 self.keys.remove_id(s);
             }
-            PolicyImpl::Arc(a) => a.remove(s, &mut self.keys),
+            PolicyImpl::Arc(a) => {
+                let e = std::mem::replace(&mut self.slots[s as usize].entry, list::NIL);
+                a.remove(e, &mut self.keys);
+            }
         }
         self.pool.release(s);
     }
@@ -940,7 +959,10 @@ impl Manager {
         self.slots.iter_mut().for_each(|s| s.ref_cnt = 0);
         match &mut self.policy {
             PolicyImpl::Lru(l) => l.clear(),
-            PolicyImpl::Arc(a) => a.clear(),
+            PolicyImpl::Arc(a) => {
+                a.clear();
+                self.slots.iter_mut().for_each(|s| s.entry = list::NIL);
+            }
         }
         self.stats.evictable = 0;
         self.stats.pinned = 0;
