@@ -166,7 +166,6 @@ pub struct Manager {
 
 /// What the manager keeps per slot, side by side (one cache line per slot).
 #[derive(Debug, Clone, Copy)]
-#[repr(align(16))]
 struct SlotState {
     /// -1 store in flight, 0 ready and idle, n > 0 pinned by n loads.
     ref_cnt: i32,
