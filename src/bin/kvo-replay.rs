@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 /// Replays per policy and API; the times printed are their medians.
-const RUNS: usize = 5;
+const RUNS: usize = 21;
 
 struct Args {
     trace: PathBuf,
