@@ -1,6 +1,6 @@
-//! Manager benchmarks: prefix lookup and store throughput on a 1M-slot tier (8- and 32-byte
-//! keys), and the conversation-trace replay (5,859 slots, LRU and ARC) through the Rust API and
-//! the C ABI. Run: `cargo bench --bench manager`.
+//! Manager benchmarks: prefix lookup (LRU) and store throughput (LRU and ARC) on a 1M-slot
+//! tier (8- and 32-byte keys), and the conversation-trace replay (5,859 slots, LRU and ARC)
+//! through the Rust API and the C ABI. Run: `cargo bench --bench manager`.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvoffload::manager::{Manager, ManagerConfig, Policy, StorePlan};
@@ -60,22 +60,26 @@ fn tier_ops(c: &mut Criterion) {
             })
         });
         // Fresh keys, precomputed: one window more than the tier holds, so a window comes round
-        // again only after it was evicted (LRU, no touches).
+        // again only after it was evicted (no touches). ARC's evicted keys become ghosts, and
+        // once its ghost list is full every store also trims the oldest ghosts.
         let windows: Vec<Vec<u8>> = (0..(SLOTS as u64 / N + 1))
             .map(|w| keys(SLOTS as u64 + w * N, SLOTS as u64 + (w + 1) * N, kl))
             .collect();
-        let mut plan = StorePlan::default();
-        let mut next = 0;
-        g.bench_function("prepare_complete_store_256_evicting", |b| {
-            b.iter(|| {
-                let ks = &windows[next % windows.len()];
-                next += 1;
-                m.prepare_store(ks, &mut plan).unwrap();
-                m.complete_store(ks, true).unwrap();
-                assert_eq!(plan.slots.len(), N as usize, "every key fresh");
-                black_box(plan.slots.len())
-            })
-        });
+        let mut arc = full_manager(kl, Policy::Arc);
+        for (name, m) in [("", &mut m), ("arc_", &mut arc)] {
+            let mut plan = StorePlan::default();
+            let mut next = 0;
+            g.bench_function(format!("{name}prepare_complete_store_256_evicting"), |b| {
+                b.iter(|| {
+                    let ks = &windows[next % windows.len()];
+                    next += 1;
+                    m.prepare_store(ks, &mut plan).unwrap();
+                    m.complete_store(ks, true).unwrap();
+                    assert_eq!(plan.slots.len(), N as usize, "every key fresh");
+                    black_box(plan.slots.len())
+                })
+            });
+        }
         g.finish();
     }
 }
