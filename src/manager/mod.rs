@@ -633,16 +633,19 @@ impl Manager {
         self.next_epoch();
         self.scratch_new.clear();
         let mut skipped = 0;
-        for (i, key) in keys.chunks_exact(kl).enumerate() {
+        let (ids, hashes, epoch) = (&self.scratch_slot[..n], &self.scratch_hash[..n], self.epoch);
+        let (slots, new, num_slots) = (&mut self.slots, &mut self.scratch_new, self.cfg.num_slots);
+        for (i, (key, &id)) in keys.chunks_exact(kl).zip(ids).enumerate() {
             if let Some(t) = &self.tracker
-                && !t.passes(self.scratch_hash[i], key)
+                && !t.passes(hashes[i], key)
             {
                 skipped += 1;
                 continue;
             }
-            match self.scratch_slot[i] {
-                s if self.is_slot(s) => self.slots[s as usize].stamp = self.epoch,
-                _ => self.scratch_new.push(i as u32),
+            if (id as usize) < num_slots {
+                slots[id as usize].stamp = epoch;
+            } else {
+                new.push(i as u32);
             }
         }
         self.dedupe_new(keys);
@@ -680,19 +683,32 @@ impl Manager {
         }
         self.stats.stores_skipped += skipped;
         out_indices[..to_store].copy_from_slice(&self.scratch_new);
-        for j in 0..to_store {
-            let i = out_indices[j] as usize;
-            let slot = self.pool.alloc();
-            let (key, hash) = (key_at(keys, kl, i as u32), self.scratch_hash[i]);
-            match &mut self.policy {
-                PolicyImpl::Lru(_) => self.keys.insert_hashed(hash, slot, key),
-                PolicyImpl::Arc(a) => {
-                    self.slots[slot as usize].entry =
-                        a.insert(slot, self.scratch_slot[i], hash, key, &mut self.keys)
+        let (new, hashes, ids) = (
+            &self.scratch_new[..],
+            &self.scratch_hash,
+            &self.scratch_slot,
+        );
+        let (slots, pool, table) = (&mut self.slots, &mut self.pool, &mut self.keys);
+        let out = out_slots[..to_store].iter_mut().zip(new);
+        match &mut self.policy {
+            PolicyImpl::Lru(_) => {
+                for (out, &i) in out {
+                    let slot = pool.alloc();
+                    table.insert_hashed(hashes[i as usize], slot, key_at(keys, kl, i));
+                    slots[slot as usize].ref_cnt = IN_FLIGHT;
+                    *out = slot;
                 }
             }
-            self.slots[slot as usize].ref_cnt = IN_FLIGHT;
-            out_slots[j] = slot;
+            PolicyImpl::Arc(a) => {
+                for (out, &i) in out {
+                    let slot = pool.alloc();
+                    let (hash, id) = (hashes[i as usize], ids[i as usize]);
+                    let st = &mut slots[slot as usize];
+                    st.entry = a.insert(slot, id, hash, key_at(keys, kl, i), table);
+                    st.ref_cnt = IN_FLIGHT;
+                    *out = slot;
+                }
+            }
         }
         self.stats.stores_in_flight += to_store as u64;
         Ok(StoreCounts {
@@ -715,29 +731,34 @@ impl Manager {
         self.scratch_filter.clear();
         self.scratch_filter.resize(words, 0);
         let kl = self.cfg.key_len;
+        let (filter, new, hashes) = (
+            &mut self.scratch_filter[..],
+            &mut self.scratch_new[..],
+            &self.scratch_hash[..],
+        );
         let (mut kept, mut clashes) = (0, 0);
         for j in 0..n {
-            let i = self.scratch_new[j];
-            let h = self.scratch_hash[i as usize];
+            let i = new[j];
+            let h = hashes[i as usize];
             let bit = (h >> shift) as usize;
             let (word, mask) = (bit / 64, 1u64 << (bit % 64));
-            if self.scratch_filter[word] & mask != 0 {
+            if filter[word] & mask != 0 {
                 clashes += 1;
                 if clashes > 64 {
-                    self.scratch_new.copy_within(j.., kept);
+                    new.copy_within(j.., kept);
                     self.scratch_new.truncate(kept + n - j);
                     return self.dedupe_sorted(keys);
                 }
                 let key = key_at(keys, kl, i);
-                if self.scratch_new[..kept]
+                if new[..kept]
                     .iter()
-                    .any(|&k| self.scratch_hash[k as usize] == h && key_at(keys, kl, k) == key)
+                    .any(|&k| hashes[k as usize] == h && key_at(keys, kl, k) == key)
                 {
                     continue;
                 }
             }
-            self.scratch_filter[word] |= mask;
-            self.scratch_new[kept] = i;
+            filter[word] |= mask;
+            new[kept] = i;
             kept += 1;
         }
         self.scratch_new.truncate(kept);
