@@ -186,9 +186,10 @@ impl Arc {
     ) -> bool {
         let mut virtual_t1 = self.lists[T1 as usize].len;
         let (mut c1, mut c2) = (self.lists[T1 as usize].head, self.lists[T2 as usize].head);
+        let target = self.target as usize;
         for _ in 0..n {
             let mut picked = false;
-            if virtual_t1 >= self.target as usize {
+            if virtual_t1 >= target {
                 while c1 != NIL {
                     let s = self.links.data(c1).slot;
                     c1 = self.links.next(c1);
