@@ -42,7 +42,9 @@ pub(crate) struct Arc {
     links: Links<Entry>,
     /// Indexed by tag: `[unused, T1, T2, B1, B2]`, each LRU first.
     lists: [List; 5],
+    /// Entries freed by trims and removals (reused first), and how many were ever handed out.
     free: Vec<u32>,
+    used: u32,
 }
 
 /// T1/T2 slots and B1/B2 keys (LRU first) and the target.
@@ -64,7 +66,8 @@ impl Arc {
             target: 0.0,
             links: Links::with_len(num_slots)?,
             lists: [List::default(); 5],
-            free: (0..num_slots as u32).rev().collect(),
+            free: Vec::new(),
+            used: 0,
         })
     }
 
@@ -86,9 +89,10 @@ impl Arc {
     /// A free entry.
     fn alloc(&mut self) -> u32 {
         self.free.pop().unwrap_or_else(|| {
-            let e = self.links.len();
-            self.links.grow_to(e + 1);
-            e as u32
+            let e = self.used;
+            self.used += 1;
+            self.links.grow_to(self.used as usize);
+            e
         })
     }
 
@@ -131,13 +135,9 @@ impl Arc {
         e
     }
 
-    /// Drops a stored entry (its slot is freed) and its key, without a ghost.
+    /// Unlinks entry `e`, drops its key and frees the entry: a stored key whose slot is freed
+    /// without a ghost, or a trimmed ghost.
     pub fn remove(&mut self, e: u32, keys: &mut KeyTable) {
-        self.release(e, keys);
-    }
-
-    /// Unlinks entry `e`, drops its key and frees it.
-    fn release(&mut self, e: u32, keys: &mut KeyTable) {
         let t = self.links.data(e).tag;
         self.links.unlink(&mut self.lists[t as usize], e);
         *self.links.data_mut(e) = Entry::default();
@@ -231,7 +231,7 @@ impl Arc {
         for b in [B1, B1 + 1] {
             while self.lists[b as usize].len > self.capacity {
                 let e = self.lists[b as usize].head;
-                self.release(e, keys);
+                self.remove(e, keys);
             }
         }
     }
@@ -245,7 +245,7 @@ impl Arc {
             *self.links.data_mut(e) = Entry::default();
         }
         self.free.clear();
-        self.free.extend((0..self.links.len() as u32).rev());
+        self.used = 0;
         self.target = 0.0;
     }
 
