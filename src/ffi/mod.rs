@@ -1,5 +1,5 @@
 //! The C ABI. Translation only: every argument is checked, errors become [`kvo_status`] codes
-//! with a thread-local message, and every body runs inside one panic guard ([`guard`]).
+//! with a thread-local message, and every body runs inside one panic guard (`guard`).
 //!
 //! Thread-safety (stated once, also at the top of the header): every function may be called
 //! from any thread; each handle serializes its own calls; `kvo_*_free` must not race with other
