@@ -221,12 +221,6 @@ impl KeyTable {
         self.layout = (at, self.table.num_buckets() - 1);
     }
 
-    /// Whether [`Self::prefetch`] does anything (large tables only).
-    #[inline]
-    pub fn prefetches(&self) -> bool {
-        self.layout.1 >= PREFETCH_MIN_BUCKETS
-    }
-
     /// Starts loading the index lines that a lookup of `hash` reads first (its control group),
     /// so that the misses of many keys overlap; with `buckets`, also the buckets beside it, which
     /// a hit or an insert reads or writes. Relies on hashbrown's layout (bucket `i` just below

@@ -336,15 +336,6 @@ impl Manager {
         self.resolved_version = self.keys.version();
         self.scratch_hash.clear();
         self.scratch_slot.clear();
-        if !self.keys.prefetches() {
-            for key in keys.chunks_exact(self.cfg.key_len) {
-                let h = self.keys.hash(key);
-                self.scratch_hash.push(h);
-                let id = self.find_hashed(h, key).unwrap_or(ABSENT);
-                self.scratch_slot.push(id);
-            }
-            return n;
-        }
         for key in keys.chunks_exact(self.cfg.key_len) {
             let h = self.keys.hash(key);
             self.keys.prefetch(h, false);
