@@ -12,8 +12,13 @@ const T1: u8 = 1;
 const T2: u8 = 2;
 const B1: u8 = 3;
 
-/// What ARC keeps about an entry beside its links: its slot (`NIL` for a ghost) and its list
-/// (a tag, the index into [`Arc::lists`]).
+/// The [`Arc::pairs`] index of a tag's list: 0 for T1 and B1, 1 for T2 and B2.
+#[inline]
+fn pair(tag: u8) -> usize {
+    usize::from(tag - 1) & 1
+}
+
+/// What ARC keeps about an entry beside its links: its slot (`NIL` for a ghost) and its list.
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     slot: u32,
@@ -29,6 +34,30 @@ impl Default for Entry {
     }
 }
 
+/// A ghost list and its stored list (B1 and T1, or B2 and T2) as one linked list: the ghosts,
+/// LRU first, then the stored keys, LRU first, from `stored_head` on. An evicted key becomes
+/// the most recent ghost, which for the least recent stored key (the usual victim) is only a
+/// move of the boundary: no relinking.
+#[derive(Debug, Clone, Copy)]
+struct Pair {
+    list: List,
+    /// The least recent stored key (`NIL`: none).
+    stored_head: u32,
+    stored: usize,
+    ghosts: usize,
+}
+
+impl Default for Pair {
+    fn default() -> Self {
+        Self {
+            list: List::default(),
+            stored_head: NIL,
+            stored: 0,
+            ghosts: 0,
+        }
+    }
+}
+
 /// An entry is one key the policy knows: stored in a slot (T1/T2) or remembered after its
 /// eviction (B1/B2). Entries are the key-table ids, so an eviction or a revival only relinks
 /// the entry and changes its slot, and the key table is left alone. The manager sees a stored
@@ -40,8 +69,8 @@ pub(crate) struct Arc {
     target: f64,
     /// Per entry: its links, and beside them its slot and list.
     links: Links<Entry>,
-    /// Indexed by tag: `[unused, T1, T2, B1, B2]`, each LRU first.
-    lists: [List; 5],
+    /// B1 + T1, and B2 + T2.
+    pairs: [Pair; 2],
     /// Entries freed by trims and removals (reused first), and how many were ever handed out.
     free: Vec<u32>,
     used: u32,
@@ -65,7 +94,7 @@ impl Arc {
             capacity: num_slots,
             target: 0.0,
             links: Links::with_len(num_slots)?,
-            lists: [List::default(); 5],
+            pairs: [Pair::default(); 2],
             free: Vec::new(),
             used: 0,
         })
@@ -96,12 +125,50 @@ impl Arc {
         })
     }
 
-    /// Moves entry `e` from its list to the tail of list `to`.
+    /// Appends entry `e` (in no list) as the most recent stored key of pair `k`.
     #[inline]
-    fn relink(&mut self, e: u32, to: u8) {
-        let from = std::mem::replace(&mut self.links.data_mut(e).tag, to);
-        self.links.unlink(&mut self.lists[from as usize], e);
-        self.links.push_back(&mut self.lists[to as usize], e);
+    fn push_stored(&mut self, k: usize, e: u32, tag: u8) {
+        let p = &mut self.pairs[k];
+        self.links.push_back(&mut p.list, e);
+        if p.stored_head == NIL {
+            p.stored_head = e;
+        }
+        p.stored += 1;
+        self.links.data_mut(e).tag = tag;
+    }
+
+    /// Takes entry `e` out of its pair's list.
+    #[inline]
+    fn unlink(&mut self, e: u32) {
+        let tag = self.links.data(e).tag;
+        let p = &mut self.pairs[pair(tag)];
+        if tag >= B1 {
+            p.ghosts -= 1;
+        } else {
+            if p.stored_head == e {
+                p.stored_head = self.links.next(e);
+            }
+            p.stored -= 1;
+        }
+        self.links.unlink(&mut p.list, e);
+    }
+
+    /// Makes `e`, which is in pair `k`'s list, its most recent ghost or stored key.
+    #[inline]
+    fn make_most_recent(&mut self, k: usize, e: u32, ghost: bool) {
+        let p = &mut self.pairs[k];
+        let before = if ghost { p.stored_head } else { NIL };
+        if self.links.next(e) == before {
+            return;
+        }
+        if p.stored_head == e {
+            p.stored_head = self.links.next(e);
+        }
+        self.links.unlink(&mut p.list, e);
+        match before {
+            NIL => self.links.push_back(&mut p.list, e),
+            at => self.links.insert_before(&mut p.list, at, e),
+        }
     }
 
     /// A new (in-flight) slot goes to the T1 MRU end with its key: `id` is what the manager
@@ -120,17 +187,16 @@ impl Arc {
         let e = match self.ghost(id) {
             Some(e) if keys.key(e) == key => {
                 keys.note_change();
-                self.relink(e, T1);
+                self.unlink(e);
                 e
             }
             _ => {
                 let e = self.alloc();
                 keys.insert_hashed(hash, e, key);
-                self.links.data_mut(e).tag = T1;
-                self.links.push_back(&mut self.lists[T1 as usize], e);
                 e
             }
         };
+        self.push_stored(0, e, T1);
         self.links.data_mut(e).slot = slot;
         e
     }
@@ -138,8 +204,7 @@ impl Arc {
     /// Unlinks entry `e`, drops its key and frees the entry: a stored key whose slot is freed
     /// without a ghost, or a trimmed ghost.
     pub fn remove(&mut self, e: u32, keys: &mut KeyTable) {
-        let t = self.links.data(e).tag;
-        self.links.unlink(&mut self.lists[t as usize], e);
+        self.unlink(e);
         *self.links.data_mut(e) = Entry::default();
         keys.remove_id(e);
         self.free.push(e);
@@ -149,9 +214,12 @@ impl Arc {
     /// whose slot has reference count `ref_cnt`.
     pub fn touch_stored(&mut self, e: u32, ref_cnt: i32) {
         match self.links.data(e).tag {
-            T1 if ref_cnt == -1 => self.links.move_to_back(&mut self.lists[T1 as usize], e),
-            T1 => self.relink(e, T2),
-            T2 => self.links.move_to_back(&mut self.lists[T2 as usize], e),
+            T1 if ref_cnt == -1 => self.make_most_recent(0, e, false),
+            T1 => {
+                self.unlink(e);
+                self.push_stored(1, e, T2);
+            }
+            T2 => self.make_most_recent(1, e, false),
             _ => {}
         }
     }
@@ -172,7 +240,7 @@ impl Arc {
             let delta = f64::max(1.0, b1 / b2);
             self.target = f64::max(self.target - delta, 0.0);
         }
-        self.links.move_to_back(&mut self.lists[t as usize], e);
+        self.make_most_recent(pair(t), e, true);
     }
 
     /// Picks `n` victims (slots) with the reference's rule, changing nothing; false when it
@@ -184,8 +252,8 @@ impl Arc {
         eligible: impl Fn(u32) -> bool,
         out: &mut Vec<u32>,
     ) -> bool {
-        let mut virtual_t1 = self.lists[T1 as usize].len;
-        let (mut c1, mut c2) = (self.lists[T1 as usize].head, self.lists[T2 as usize].head);
+        let mut virtual_t1 = self.pairs[0].stored;
+        let (mut c1, mut c2) = (self.pairs[0].stored_head, self.pairs[1].stored_head);
         let target = self.target as usize;
         for _ in 0..n {
             let mut picked = false;
@@ -219,18 +287,28 @@ impl Arc {
         true
     }
 
-    /// Evicts the entries of picked victims: each moves to its ghost list (T1→B1, T2→B2)
-    /// and loses its slot; then both ghost lists are trimmed to the capacity.
+    /// Evicts the entries of picked victims: each becomes the most recent ghost of its pair
+    /// (T1→B1, T2→B2) and loses its slot; then both ghost lists are trimmed to the capacity.
     pub fn evict(&mut self, entries: impl Iterator<Item = u32>, keys: &mut KeyTable) {
         for e in entries {
-            let t = self.links.data(e).tag;
-            self.relink(e, t + 2);
-            self.links.data_mut(e).slot = NIL;
+            let data = self.links.data_mut(e);
+            let k = pair(data.tag);
+            (data.tag, data.slot) = (data.tag + 2, NIL);
+            let p = &mut self.pairs[k];
+            if p.stored_head == e {
+                // The least recent stored key: it is next to the ghosts already.
+                p.stored_head = self.links.next(e);
+            } else {
+                self.links.unlink(&mut p.list, e);
+                self.links.insert_before(&mut p.list, p.stored_head, e);
+            }
+            p.stored -= 1;
+            p.ghosts += 1;
         }
         keys.note_change();
-        for b in [B1, B1 + 1] {
-            while self.lists[b as usize].len > self.capacity {
-                let e = self.lists[b as usize].head;
+        for k in 0..2 {
+            while self.pairs[k].ghosts > self.capacity {
+                let e = self.pairs[k].list.head;
                 self.remove(e, keys);
             }
         }
@@ -238,8 +316,9 @@ impl Arc {
 
     /// Empties every list and frees every entry (the manager clears the key table).
     pub fn clear(&mut self) {
-        for list in &mut self.lists {
-            self.links.clear(list);
+        for p in &mut self.pairs {
+            self.links.clear(&mut p.list);
+            *p = Pair::default();
         }
         for e in 0..self.links.len() as u32 {
             *self.links.data_mut(e) = Entry::default();
@@ -252,27 +331,32 @@ impl Arc {
     /// The lists (LRU first) and the target, for tests.
     #[cfg(test)]
     pub fn snapshot(&self, keys: &KeyTable) -> ArcSnapshot {
-        let walk = |t: u8| {
+        let walk = |from: u32, to: u32| {
             let mut v = vec![];
-            let mut c = self.lists[t as usize].head;
-            while c != NIL {
+            let mut c = from;
+            while c != to {
                 v.push(c);
                 c = self.links.next(c);
             }
             v
         };
-        let slots = |t| {
-            walk(t)
+        let slots = |p: &Pair| {
+            walk(p.stored_head, NIL)
                 .into_iter()
                 .map(|e| self.links.data(e).slot)
                 .collect()
         };
-        let ghosts = |t| walk(t).into_iter().map(|e| keys.key(e).to_vec()).collect();
+        let ghosts = |p: &Pair| {
+            walk(p.list.head, p.stored_head)
+                .into_iter()
+                .map(|e| keys.key(e).to_vec())
+                .collect()
+        };
         ArcSnapshot {
-            t1: slots(T1),
-            t2: slots(T2),
-            b1: ghosts(B1),
-            b2: ghosts(B1 + 1),
+            t1: slots(&self.pairs[0]),
+            t2: slots(&self.pairs[1]),
+            b1: ghosts(&self.pairs[0]),
+            b2: ghosts(&self.pairs[1]),
             target: self.target,
         }
     }
@@ -283,10 +367,10 @@ impl Arc {
     }
 
     pub fn num_ghosts(&self) -> (usize, usize) {
-        (self.lists[B1 as usize].len, self.lists[B1 as usize + 1].len)
+        (self.pairs[0].ghosts, self.pairs[1].ghosts)
     }
 
     pub fn listed(&self) -> usize {
-        self.lists[T1 as usize].len + self.lists[T2 as usize].len
+        self.pairs[0].stored + self.pairs[1].stored
     }
 }

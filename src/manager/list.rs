@@ -141,6 +141,21 @@ impl<T: Copy + Default> Links<T> {
             self.push_back(list, id);
         }
     }
+
+    /// Inserts `id` (not in any list) just before `at`, which is in `list`.
+    #[inline]
+    pub fn insert_before(&mut self, list: &mut List, at: u32, id: u32) {
+        let p = self.nodes[at as usize].prev;
+        let node = &mut self.nodes[id as usize];
+        (node.prev, node.next) = (p, at);
+        self.nodes[at as usize].prev = id;
+        if p == NIL {
+            list.head = id;
+        } else {
+            self.nodes[p as usize].next = id;
+        }
+        list.len += 1;
+    }
 }
 
 #[cfg(test)]
@@ -175,6 +190,12 @@ mod tests {
         links.push_back(&mut l, 0);
         assert_eq!(collect(&links, &l), vec![3, 1, 0]);
         assert_eq!(l.tail, 0);
+        links.insert_before(&mut l, 3, 2);
+        links.insert_before(&mut l, 0, 4);
+        assert_eq!(collect(&links, &l), vec![2, 3, 1, 4, 0]);
+        links.unlink(&mut l, 2);
+        links.unlink(&mut l, 4);
+        assert_eq!(collect(&links, &l), vec![3, 1, 0]);
         links.clear(&mut l);
         assert!((0..5).all(|i| !links.is_linked(i)));
         assert_eq!(collect(&links, &l), Vec::<u32>::new());
