@@ -16,7 +16,7 @@ mod tracker;
 pub use events::{Event, EventLog};
 
 use crate::error::{Error, Result, invalid};
-use keys::KeyTable;
+use keys::{KeyTable, key_eq};
 use pool::SlotPool;
 use std::ops::Range;
 use tracker::Tracker;
@@ -875,30 +875,34 @@ impl Manager {
                 self.cfg.num_slots
             ));
         }
+        let mut ended = 0;
         for (j, key) in keys.chunks_exact(self.cfg.key_len).enumerate() {
-            let hinted = slots.get(j).copied().filter(|&s| {
-                self.slots[s as usize].ref_cnt == IN_FLIGHT && keys::key_eq(self.slot_key(s), key)
-            });
-            let Some(s) = hinted.or_else(|| self.slot(self.find(key))) else {
-                continue;
+            let in_flight = |st: &SlotState| st.ref_cnt == IN_FLIGHT;
+            let s = match slots.get(j) {
+                Some(&s) if in_flight(&self.slots[s as usize]) && key_eq(self.slot_key(s), key) => {
+                    s
+                }
+                _ => match self.slot(self.find(key)) {
+                    Some(s) if in_flight(&self.slots[s as usize]) => s,
+                    _ => continue,
+                },
             };
-            if self.slots[s as usize].ref_cnt != IN_FLIGHT {
+            self.slots[s as usize].ref_cnt = 0;
+            ended += 1;
+            if !success {
+                self.free_slot(s);
                 continue;
             }
-            self.stats.stores_in_flight -= 1;
-            if success {
-                self.slots[s as usize].ref_cnt = 0;
-                self.stats.evictable += 1;
-                if let PolicyImpl::Lru(l) = &mut self.policy {
-                    l.mark_evictable(s);
-                }
-                if self.cfg.enable_events {
-                    self.events.push_key(key);
-                }
-            } else {
-                self.slots[s as usize].ref_cnt = 0;
-                self.free_slot(s);
+            if let PolicyImpl::Lru(l) = &mut self.policy {
+                l.mark_evictable(s);
             }
+            if self.cfg.enable_events {
+                self.events.push_key(key);
+            }
+        }
+        self.stats.stores_in_flight -= ended;
+        if success {
+            self.stats.evictable += ended;
         }
         if success && self.cfg.enable_events {
             self.events.end_record(false);
