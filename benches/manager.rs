@@ -1,8 +1,9 @@
 //! Manager benchmarks: prefix lookup (LRU) and store throughput (LRU and ARC) on a 1M-slot
 //! tier (8- and 32-byte keys), and the conversation-trace replay (5,859 slots, LRU and ARC)
-//! through the Rust API and the C ABI. Run: `cargo bench --bench manager`.
+//! through the Rust API and the C ABI, each on a fresh tier made outside the timing. Run:
+//! `cargo bench --bench manager`.
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvoffload::manager::{Manager, ManagerConfig, Policy, StorePlan};
 use kvoffload::replay::{FfiTier, RustTier, load_trace, replay, trace_keys};
 use std::hint::black_box;
@@ -107,20 +108,22 @@ fn trace_replay(c: &mut Criterion) {
             BenchmarkId::new("rust", format!("{policy:?}")),
             &cfg,
             |b, cfg| {
-                b.iter(|| {
-                    let mut t = RustTier::new(cfg.clone()).unwrap();
-                    black_box(replay(&mut t, &requests, 8))
-                })
+                b.iter_batched_ref(
+                    || RustTier::new(cfg.clone()).unwrap(),
+                    |t| black_box(replay(t, &requests, 8)),
+                    BatchSize::PerIteration,
+                )
             },
         );
         g.bench_with_input(
             BenchmarkId::new("c_abi", format!("{policy:?}")),
             &cfg,
             |b, cfg| {
-                b.iter(|| {
-                    let mut t = FfiTier::new(cfg);
-                    black_box(replay(&mut t, &requests, 8))
-                })
+                b.iter_batched_ref(
+                    || FfiTier::new(cfg),
+                    |t| black_box(replay(t, &requests, 8)),
+                    BatchSize::PerIteration,
+                )
             },
         );
     }
