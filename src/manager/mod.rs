@@ -150,7 +150,7 @@ pub struct Manager {
     events: EventLog,
     stats: ManagerStats,
     // Scratch space reused by every call (no allocation per key once warm).
-    /// What `resolve` found: hashes and key-table ids of the keys in `resolved_keys`, valid
+    /// What `resolve` found: hashes and manager ids of the keys in `resolved_keys`, valid
     /// while the key table's version is `resolved_version` (a later call on the same keys, or on
     /// a prefix of them, reuses them).
     scratch_hash: Vec<u64>,
@@ -269,19 +269,19 @@ impl Manager {
         Ok(keys.len() / kl)
     }
 
-    /// Whether a key-table id is a slot (not ABSENT, not one of ARC's ghost entries).
+    /// Whether a manager id is a slot (not ABSENT, not one of ARC's ghosts).
     #[inline]
     fn is_slot(&self, id: u32) -> bool {
         (id as usize) < self.cfg.num_slots
     }
 
-    /// The slot of a key-table id, if it is one.
+    /// The slot of a manager id, if it is one.
     #[inline]
     fn slot(&self, id: Option<u32>) -> Option<u32> {
         id.filter(|&i| self.is_slot(i))
     }
 
-    /// The manager's id of key-table entry `e`: a slot, or (ARC) a ghost id beyond the slots.
+    /// The manager id of key-table entry `e`: a slot, or (ARC) a ghost id beyond the slots.
     #[inline]
     fn id_of_entry(&self, e: u32) -> u32 {
         match &self.policy {
@@ -313,14 +313,14 @@ impl Manager {
         self.find_hashed(self.keys.hash(key), key)
     }
 
-    /// The key-table id `resolve` found for key `i`, if any.
+    /// The manager id `resolve` found for key `i`, if any.
     #[inline]
     fn resolved_id(&self, i: usize) -> Option<u32> {
         Some(self.scratch_slot[i]).filter(|&s| s != ABSENT)
     }
 
     /// Resolves every key of `keys` into the first entries of `scratch_hash` / `scratch_slot`
-    /// (the key-table id: a slot, an ARC ghost, or ABSENT); returns their number. Reuses the
+    /// (the manager id: a slot, an ARC ghost, or ABSENT); returns their number. Reuses the
     /// last resolution when `keys` are its keys or a prefix of them and the key table has not
     /// changed since (a match's lookup then its load, a load then its store). Otherwise hashes
     /// and prefetches all, then looks them up, so that the misses overlap on large tiers.
@@ -376,7 +376,7 @@ impl Manager {
         self.count_lookup(h, key, id)
     }
 
-    /// Counts a lookup of `key` (hash `h`, key-table id `id`) and answers it.
+    /// Counts a lookup of `key` (hash `h`, manager id `id`) and answers it.
     #[inline]
     fn count_lookup(&mut self, h: u64, key: &[u8], id: Option<u32>) -> Lookup {
         if let Some(t) = &mut self.tracker {
@@ -477,7 +477,7 @@ impl Manager {
         Ok(())
     }
 
-    /// One key of a touch, by its key-table id.
+    /// One key of a touch, by its manager id.
     #[inline]
     fn touch_id(&mut self, id: Option<u32>) {
         match &mut self.policy {
