@@ -43,8 +43,14 @@ struct Pair {
     list: List,
     /// The least recent stored key (`NIL`: none).
     stored_head: u32,
+    /// The stored keys; the rest of `list` are ghosts.
     stored: usize,
-    ghosts: usize,
+}
+
+impl Pair {
+    fn ghosts(&self) -> usize {
+        self.list.len - self.stored
+    }
 }
 
 impl Default for Pair {
@@ -53,7 +59,6 @@ impl Default for Pair {
             list: List::default(),
             stored_head: NIL,
             stored: 0,
-            ghosts: 0,
         }
     }
 }
@@ -142,9 +147,7 @@ impl Arc {
     fn unlink(&mut self, e: u32) {
         let tag = self.links.data(e).tag;
         let p = &mut self.pairs[pair(tag)];
-        if tag >= B1 {
-            p.ghosts -= 1;
-        } else {
+        if tag < B1 {
             if p.stored_head == e {
                 p.stored_head = self.links.next(e);
             }
@@ -303,11 +306,10 @@ impl Arc {
                 self.links.insert_before(&mut p.list, p.stored_head, e);
             }
             p.stored -= 1;
-            p.ghosts += 1;
         }
         keys.note_change();
         for k in 0..2 {
-            while self.pairs[k].ghosts > self.capacity {
+            while self.pairs[k].ghosts() > self.capacity {
                 let e = self.pairs[k].list.head;
                 self.remove(e, keys);
             }
@@ -367,7 +369,7 @@ impl Arc {
     }
 
     pub fn num_ghosts(&self) -> (usize, usize) {
-        (self.pairs[0].ghosts, self.pairs[1].ghosts)
+        (self.pairs[0].ghosts(), self.pairs[1].ghosts())
     }
 
     pub fn listed(&self) -> usize {
