@@ -43,22 +43,23 @@ pub(crate) struct Links<T = ()> {
 impl<T: Copy + Default> Links<T> {
     pub fn with_len(n: usize) -> crate::Result<Self> {
         Ok(Self {
-            nodes: super::filled(n, Self::unlinked(T::default()), "list links")?,
+            nodes: super::filled(n, Self::unlinked(), "list links")?,
         })
     }
 
-    fn unlinked(data: T) -> Node<T> {
+    /// A node in no list, with default data.
+    fn unlinked() -> Node<T> {
         Node {
             prev: OFF,
             next: NIL,
-            data,
+            data: T::default(),
         }
     }
 
     /// Makes room for ids `< n` (with default data).
     pub fn grow_to(&mut self, n: usize) {
         if self.nodes.len() < n {
-            self.nodes.resize(n, Self::unlinked(T::default()));
+            self.nodes.resize(n, Self::unlinked());
         }
     }
 
