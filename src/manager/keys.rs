@@ -173,6 +173,28 @@ impl KeyTable {
             .copied()
     }
 
+    /// Hashes every key of `keys` (back to back) into `hashes` (replacing its contents), then
+    /// finds each in order, passing its id (`None`: absent) to `found`. On large tables the
+    /// index lines of all keys are prefetched first, so that their misses overlap.
+    #[inline]
+    pub fn find_all(&self, keys: &[u8], hashes: &mut Vec<u64>, mut found: impl FnMut(Option<u32>)) {
+        let (arena, stride, kl) = (&self.arena, self.stride, self.key_len);
+        hashes.clear();
+        for key in keys.chunks_exact(kl) {
+            let h = self.hash(key);
+            self.prefetch(h, false);
+            hashes.push(h);
+        }
+        // This loop's own closure type keeps hashbrown's probe inlined here (shared with other
+        // callers, it would stay a call).
+        for (key, &h) in keys.chunks_exact(kl).zip(hashes.iter()) {
+            let id = self
+                .table
+                .find(h, |&id| key_eq(record_key(arena, stride, kl, id), key));
+            found(id.copied());
+        }
+    }
+
     /// The record of `id`, growing the arena if needed.
     fn record_mut(&mut self, id: u32) -> &mut [u8] {
         let at = id as usize * self.stride;

@@ -135,6 +135,17 @@ enum PolicyImpl {
     Arc(Box<arc::Arc>),
 }
 
+impl PolicyImpl {
+    /// See [`Manager::id_of_entry`].
+    #[inline]
+    fn id_of_entry(&self, e: u32) -> u32 {
+        match self {
+            PolicyImpl::Lru(_) => e,
+            PolicyImpl::Arc(a) => a.id(e),
+        }
+    }
+}
+
 const IN_FLIGHT: i32 = -1;
 const ABSENT: u32 = u32::MAX;
 
@@ -284,10 +295,7 @@ impl Manager {
     /// The manager id of key-table entry `e`: a slot, or (ARC) a ghost id beyond the slots.
     #[inline]
     fn id_of_entry(&self, e: u32) -> u32 {
-        match &self.policy {
-            PolicyImpl::Lru(_) => e,
-            PolicyImpl::Arc(a) => a.id(e),
-        }
+        self.policy.id_of_entry(e)
     }
 
     /// The key-table entry of occupied slot `s` (`list::NIL` for a free ARC slot).
@@ -322,8 +330,8 @@ impl Manager {
     /// Resolves every key of `keys` into the first entries of `scratch_hash` / `scratch_slot`
     /// (the manager id: a slot, an ARC ghost, or ABSENT); returns their number. Reuses the
     /// last resolution when `keys` are its keys or a prefix of them and the key table has not
-    /// changed since (a match's lookup then its load, a load then its store). Otherwise hashes
-    /// and prefetches all, then looks them up, so that the misses overlap on large tiers.
+    /// changed since (a match's lookup then its load, a load then its store). Otherwise finds all
+    /// with [`KeyTable::find_all`].
     fn resolve(&mut self, keys: &[u8]) -> usize {
         let n = keys.len() / self.cfg.key_len;
         if self.resolved_version == self.keys.version()
@@ -334,17 +342,11 @@ impl Manager {
         self.resolved_keys.clear();
         self.resolved_keys.extend_from_slice(keys);
         self.resolved_version = self.keys.version();
-        self.scratch_hash.clear();
         self.scratch_slot.clear();
-        for key in keys.chunks_exact(self.cfg.key_len) {
-            let h = self.keys.hash(key);
-            self.keys.prefetch(h, false);
-            self.scratch_hash.push(h);
-        }
-        for (key, &h) in keys.chunks_exact(self.cfg.key_len).zip(&self.scratch_hash) {
-            self.scratch_slot
-                .push(self.find_hashed(h, key).unwrap_or(ABSENT));
-        }
+        let (policy, ids) = (&self.policy, &mut self.scratch_slot);
+        self.keys.find_all(keys, &mut self.scratch_hash, |e| {
+            ids.push(e.map_or(ABSENT, |e| policy.id_of_entry(e)));
+        });
         n
     }
 
