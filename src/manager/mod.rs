@@ -472,27 +472,27 @@ impl Manager {
     pub fn touch(&mut self, keys: &[u8]) -> Result<()> {
         let n = self.check_keys(keys, "keys")?;
         self.resolve(keys);
-        for i in (0..n).rev() {
-            let id = self.resolved_id(i);
-            self.touch_id(id);
-        }
+        self.touch_resolved(n);
         Ok(())
     }
 
-    /// One key of a touch, by its manager id.
-    #[inline]
-    fn touch_id(&mut self, id: Option<u32>) {
+    /// Touches the first `n` resolved keys, last first.
+    fn touch_resolved(&mut self, n: usize) {
+        let ids = self.scratch_slot[..n].iter().rev();
         match &mut self.policy {
             PolicyImpl::Lru(l) => {
-                if let Some(s) = id {
+                for &s in ids.filter(|&&s| s != ABSENT) {
                     l.touch(s);
                 }
             }
-            PolicyImpl::Arc(a) => match id.map(|i| (i, self.slots.get(i as usize))) {
-                Some((_, Some(st))) => a.touch_stored(st.entry, st.ref_cnt),
-                Some((ghost, None)) => a.touch_ghost(ghost),
-                None => {}
-            },
+            PolicyImpl::Arc(a) => {
+                for &id in ids.filter(|&&id| id != ABSENT) {
+                    match self.slots.get(id as usize) {
+                        Some(st) => a.touch_stored(st.entry, st.ref_cnt),
+                        None => a.touch_ghost(id),
+                    }
+                }
+            }
         }
     }
 
@@ -520,10 +520,7 @@ impl Manager {
             }
             out.hits += 1;
         }
-        for i in (0..n).rev() {
-            let id = self.resolved_id(i);
-            self.touch_id(id);
-        }
+        self.touch_resolved(n);
         Ok(out)
     }
 
