@@ -2,7 +2,7 @@
 //! quirk: recent list T1 and frequent list T2 hold every stored slot (LRU first); ghost lists
 //! B1 and B2 remember evicted keys, each trimmed to the capacity.
 
-use super::keys::KeyTable;
+use super::keys::{KeyTable, key_eq};
 use super::list::{Links, List, NIL};
 
 /// List tags of an entry: none, the stored lists T1/T2, the ghost lists B1/B2 (a ghost's list
@@ -188,7 +188,7 @@ impl Arc {
         keys: &mut KeyTable,
     ) -> u32 {
         let e = match self.ghost(id) {
-            Some(e) if keys.key(e) == key => {
+            Some(e) if key_eq(keys.key(e), key) => {
                 keys.note_change();
                 self.unlink(e);
                 e
@@ -206,6 +206,7 @@ impl Arc {
 
     /// Unlinks entry `e`, drops its key and frees the entry: a stored key whose slot is freed
     /// without a ghost, or a trimmed ghost.
+    #[inline(always)]
     pub fn remove(&mut self, e: u32, keys: &mut KeyTable) {
         self.unlink(e);
         *self.links.data_mut(e) = Entry::default();
