@@ -216,6 +216,7 @@ impl Arc {
 
     /// One stored key of a touch (the manager walks the keys in reverse order): entry `e`,
     /// whose slot has reference count `ref_cnt`.
+    #[inline]
     pub fn touch_stored(&mut self, e: u32, ref_cnt: i32) {
         match self.links.data(e).tag {
             T1 if ref_cnt == -1 => self.make_most_recent(0, e, false),
@@ -230,6 +231,7 @@ impl Arc {
 
     /// One key of a touch that the manager knows by id `id` beyond the slots: a ghost adapts
     /// the target and becomes the most recent of its list.
+    #[inline]
     pub fn touch_ghost(&mut self, id: u32) {
         let Some(e) = self.ghost(id) else {
             return;
