@@ -205,8 +205,7 @@ impl Arc {
     }
 
     /// Unlinks entry `e`, drops its key and frees the entry: a stored key whose slot is freed
-    /// without a ghost, or a trimmed ghost.
-    #[inline(always)]
+    /// without a ghost.
     pub fn remove(&mut self, e: u32, keys: &mut KeyTable) {
         self.unlink(e);
         *self.links.data_mut(e) = Entry::default();
@@ -312,11 +311,26 @@ impl Arc {
         }
         keys.note_change();
         for k in 0..2 {
-            while self.pairs[k].ghosts() > self.capacity {
-                let e = self.pairs[k].list.head;
-                self.remove(e, keys);
-            }
+            self.trim(k, keys);
         }
+    }
+
+    /// Forgets the oldest ghosts of pair `k` beyond the capacity (they are the first entries of
+    /// its list): detaches them at once, drops their keys and frees their entries.
+    fn trim(&mut self, k: usize, keys: &mut KeyTable) {
+        let excess = self.pairs[k].ghosts().saturating_sub(self.capacity);
+        if excess == 0 {
+            return;
+        }
+        let mut e = self.pairs[k].list.head;
+        for _ in 0..excess {
+            self.free.push(e);
+            let next = self.links.next(e);
+            self.links.reset(e);
+            keys.remove_id(e);
+            e = next;
+        }
+        self.links.detach_front(&mut self.pairs[k].list, excess, e);
     }
 
     /// Empties every list and frees every entry (the manager clears the key table).

@@ -123,6 +123,25 @@ impl<T: Copy + Default> Links<T> {
         list.len -= 1;
     }
 
+    /// Takes the first `n` ids of `list` out of it, `rest` being the id after them; the caller
+    /// walked them and resets each with [`Self::reset`].
+    #[inline]
+    pub fn detach_front(&mut self, list: &mut List, n: usize, rest: u32) {
+        list.head = rest;
+        if rest == NIL {
+            list.tail = NIL;
+        } else {
+            self.nodes[rest as usize].prev = NIL;
+        }
+        list.len -= n;
+    }
+
+    /// Puts `id` in no list, with default data.
+    #[inline]
+    pub fn reset(&mut self, id: u32) {
+        self.nodes[id as usize] = Self::unlinked();
+    }
+
     /// Takes every id of `list` out of it.
     pub fn clear(&mut self, list: &mut List) {
         let mut c = list.head;
@@ -163,7 +182,7 @@ impl<T: Copy + Default> Links<T> {
 mod tests {
     use super::*;
 
-    fn collect(links: &Links, list: &List) -> Vec<u32> {
+    fn collect<T: Copy + Default>(links: &Links<T>, list: &List) -> Vec<u32> {
         let mut out = vec![];
         let mut c = list.head;
         while c != NIL {
@@ -176,7 +195,7 @@ mod tests {
 
     #[test]
     fn push_unlink_move() {
-        let mut links = Links::with_len(5).unwrap();
+        let mut links = Links::<()>::with_len(5).unwrap();
         let mut l = List::default();
         for i in 0..5 {
             links.push_back(&mut l, i);
@@ -200,5 +219,32 @@ mod tests {
         links.clear(&mut l);
         assert!((0..5).all(|i| !links.is_linked(i)));
         assert_eq!(collect(&links, &l), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn detach_front_keeps_the_rest_linked() {
+        let mut links = Links::<u8>::with_len(4).unwrap();
+        let mut l = List::default();
+        for i in [2, 0, 3, 1] {
+            links.push_back(&mut l, i);
+        }
+        *links.data_mut(2) = 7;
+        for i in [2, 0] {
+            links.reset(i);
+        }
+        links.detach_front(&mut l, 2, 3);
+        assert_eq!(collect(&links, &l), vec![3, 1]);
+        assert_eq!((l.head, l.tail, l.len), (3, 1, 2));
+        assert!(!links.is_linked(2) && !links.is_linked(0) && links.is_linked(3));
+        assert_eq!(*links.data(2), 0);
+        // Unlinking the new head works from its cleared `prev`.
+        links.unlink(&mut l, 3);
+        assert_eq!(collect(&links, &l), vec![1]);
+        // Detaching everything empties the list.
+        links.reset(1);
+        links.detach_front(&mut l, 1, NIL);
+        assert_eq!((l.head, l.tail, l.len), (NIL, NIL, 0));
+        links.push_back(&mut l, 0);
+        assert_eq!(collect(&links, &l), vec![0]);
     }
 }
