@@ -75,6 +75,12 @@ fn prefetch_line(addr: usize) {
     let _ = addr;
 }
 
+/// The index room reserved for `keys` keys: 7/4 of them, so that the table stays at most ~57 %
+/// full (short probes, and removals leave fewer tombstones in full groups).
+fn index_room(keys: usize) -> usize {
+    keys.saturating_add(keys / 4 * 3)
+}
+
 #[inline(always)]
 fn record_key(arena: &[u8], stride: usize, key_len: usize, id: u32) -> &[u8] {
     let at = id as usize * stride + 8;
@@ -100,9 +106,11 @@ impl KeyTable {
         let oom = || Error::OutOfMemory(format!("key table room for {extra} more keys"));
         let bytes = extra.checked_mul(self.stride).ok_or_else(oom)?;
         self.arena.try_reserve_exact(bytes).map_err(|_| oom())?;
+        let keys = self.arena.capacity() / self.stride;
         let (arena, stride) = (&self.arena, self.stride);
+        let more = index_room(keys).saturating_sub(self.table.len());
         self.table
-            .try_reserve(extra, |&i| record_hash(arena, stride, i))
+            .try_reserve(more, |&i| record_hash(arena, stride, i))
             .map_err(|_| oom())
     }
 
@@ -124,11 +132,9 @@ impl KeyTable {
             .try_reserve_exact(bytes)
             .map_err(|_| oom("key arena"))?;
         arena.resize(bytes, 0);
-        // Room for 7/4 of the keys: the table stays at most ~57 % full (short probes, and
-        // removals leave fewer tombstones in full groups).
         let mut table = HashTable::new();
         table
-            .try_reserve(capacity.saturating_add(capacity / 4 * 3), |_: &u32| 0)
+            .try_reserve(index_room(capacity), |_: &u32| 0)
             .map_err(|_| oom("key table"))?;
         Ok(Self {
             key_len,
@@ -310,6 +316,21 @@ impl KeyTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `reserve_more` reserves index room with the same headroom as `new`: filling every id
+    /// never grows (rehashes) the table.
+    #[test]
+    fn reserved_ids_fit_without_growth() {
+        let mut t = KeyTable::new(8, 1000).unwrap();
+        t.reserve_more(2000).unwrap();
+        let buckets = t.table.num_buckets();
+        assert!(t.table.capacity() >= index_room(3000));
+        for id in 0..3000u32 {
+            let key = u64::from(id).to_le_bytes();
+            t.insert_hashed(t.hash(&key), id, &key);
+        }
+        assert_eq!(t.table.num_buckets(), buckets);
+    }
 
     /// The layout `prefetch` assumes holds for the hashbrown in use: bucket `i` lies `i + 1`
     /// buckets below the recorded address, and probing starts in the group at `hash & mask`.
