@@ -257,39 +257,36 @@ impl Arc {
         eligible: impl Fn(u32) -> bool,
         out: &mut Vec<u32>,
     ) -> bool {
-        let mut virtual_t1 = self.pairs[0].stored;
-        let (mut c1, mut c2) = (self.pairs[0].stored_head, self.pairs[1].stored_head);
-        let target = self.target as usize;
-        for _ in 0..n {
-            let mut picked = false;
-            if virtual_t1 >= target {
-                while c1 != NIL {
-                    let s = self.links.data(c1).slot;
-                    c1 = self.links.next(c1);
-                    if eligible(s) {
-                        out.push(s);
-                        virtual_t1 -= 1;
-                        picked = true;
-                        break;
-                    }
-                }
-            }
-            if !picked {
-                while c2 != NIL {
-                    let s = self.links.data(c2).slot;
-                    c2 = self.links.next(c2);
-                    if eligible(s) {
-                        out.push(s);
-                        picked = true;
-                        break;
-                    }
-                }
-            }
-            if !picked {
-                return false;
+        // The simulated T1 size starts at T1's and drops with each T1 pick, so T1 gives the
+        // first picks (up to its size minus the target, plus one) until it has no eligible
+        // slot left, and T2 gives the rest.
+        let (t1, target) = (self.pairs[0].stored, self.target as usize);
+        let t1_picks = if t1 >= target { t1 - target + 1 } else { 0 };
+        let from_t1 = self.take(self.pairs[0].stored_head, n.min(t1_picks), &eligible, out);
+        let rest = n - from_t1;
+        self.take(self.pairs[1].stored_head, rest, &eligible, out) == rest
+    }
+
+    /// Appends to `out` the first `n` eligible slots of the stored entries from `from` on (LRU
+    /// first); returns how many it found.
+    #[inline]
+    fn take(
+        &self,
+        from: u32,
+        n: usize,
+        eligible: impl Fn(u32) -> bool,
+        out: &mut Vec<u32>,
+    ) -> usize {
+        let (mut c, mut found) = (from, 0);
+        while found < n && c != NIL {
+            let s = self.links.data(c).slot;
+            c = self.links.next(c);
+            if eligible(s) {
+                out.push(s);
+                found += 1;
             }
         }
-        true
+        found
     }
 
     /// Evicts the entries of picked victims: each becomes the most recent ghost of its pair
