@@ -342,10 +342,10 @@ impl Manager {
         self.resolved_keys.clear();
         self.resolved_keys.extend_from_slice(keys);
         self.resolved_version = self.keys.version();
-        self.scratch_slot.clear();
-        let (policy, ids) = (&self.policy, &mut self.scratch_slot);
-        self.keys.find_all(keys, &mut self.scratch_hash, |e| {
-            ids.push(e.map_or(ABSENT, |e| policy.id_of_entry(e)));
+        let policy = &self.policy;
+        let (hashes, ids) = (&mut self.scratch_hash, &mut self.scratch_slot);
+        self.keys.find_all(keys, hashes, ids, |e| {
+            e.map_or(ABSENT, |e| policy.id_of_entry(e))
         });
         n
     }
