@@ -793,9 +793,9 @@ impl Manager {
     /// Evicts `scratch_victims`: copies their keys out, frees their slots, records the event.
     fn evict_victims(&mut self, out_evicted: &mut [u8]) {
         let kl = self.cfg.key_len;
-        for (j, &s) in self.scratch_victims.iter().enumerate() {
+        for (out, &s) in out_evicted.chunks_exact_mut(kl).zip(&self.scratch_victims) {
             let key = self.keys.key(self.entry_of_slot(s));
-            keys::copy_key(&mut out_evicted[j * kl..(j + 1) * kl], key);
+            keys::copy_key(out, key);
             if self.cfg.enable_events {
                 self.events.push_key(key);
             }
