@@ -101,7 +101,8 @@ impl KeyTable {
     }
 
     /// Reserves room for `extra` more entries, with ids up to `capacity + extra`, without
-    /// touching the memory (it is used as they come). Fails with [`Error::OutOfMemory`].
+    /// touching the arena (it is used as they come); the index gets the headroom of
+    /// [`Self::new`] for all ids, so it never grows. Fails with [`Error::OutOfMemory`].
     pub fn reserve_more(&mut self, extra: usize) -> Result<()> {
         let oom = || Error::OutOfMemory(format!("key table room for {extra} more keys"));
         let bytes = extra.checked_mul(self.stride).ok_or_else(oom)?;
