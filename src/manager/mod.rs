@@ -130,9 +130,10 @@ pub struct ManagerStats {
     pub evictions: u64,
 }
 
+/// The policy, inline (not boxed: every key's step reads it, and there is one per manager).
 enum PolicyImpl {
     Lru(lru::Lru),
-    Arc(Box<arc::Arc>),
+    Arc(arc::Arc),
 }
 
 impl PolicyImpl {
@@ -222,7 +223,7 @@ impl Manager {
         }
         let policy = match cfg.policy {
             Policy::Lru => PolicyImpl::Lru(lru::Lru::new(n)?),
-            Policy::Arc => PolicyImpl::Arc(Box::new(arc::Arc::new(n)?)),
+            Policy::Arc => PolicyImpl::Arc(arc::Arc::new(n)?),
         };
         let free = SlotState {
             ref_cnt: 0,
