@@ -137,7 +137,7 @@ enum PolicyImpl {
 }
 
 impl PolicyImpl {
-    /// See [`Manager::id_of_entry`].
+    /// The manager id of key-table entry `e`: a slot, or (ARC) a ghost id beyond the slots.
     #[inline]
     fn id_of_entry(&self, e: u32) -> u32 {
         match self {
@@ -293,12 +293,6 @@ impl Manager {
         id.filter(|&i| self.is_slot(i))
     }
 
-    /// The manager id of key-table entry `e`: a slot, or (ARC) a ghost id beyond the slots.
-    #[inline]
-    fn id_of_entry(&self, e: u32) -> u32 {
-        self.policy.id_of_entry(e)
-    }
-
     /// The key-table entry of occupied slot `s` (`list::NIL` for a free ARC slot).
     #[inline]
     fn entry_of_slot(&self, s: u32) -> u32 {
@@ -311,11 +305,11 @@ impl Manager {
         self.keys.key(self.entry_of_slot(s))
     }
 
-    /// The manager's id of a key (see [`Self::id_of_entry`]), if the key table has it.
+    /// The manager's id of a key (see [`PolicyImpl::id_of_entry`]), if the key table has it.
     #[inline]
     fn find_hashed(&self, hash: u64, key: &[u8]) -> Option<u32> {
         let e = self.keys.find_hashed(hash, key)?;
-        Some(self.id_of_entry(e))
+        Some(self.policy.id_of_entry(e))
     }
 
     fn find(&self, key: &[u8]) -> Option<u32> {
