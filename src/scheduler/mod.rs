@@ -9,13 +9,12 @@
 
 mod jobs;
 mod request;
-mod step;
 
 pub use jobs::JobReport;
-pub use step::{FORMAT_VERSION, JobDesc, JobKind, Step};
 
 use crate::error::{Error, Result, invalid};
 use crate::manager::{EventLog, Manager, ManagerConfig, ManagerStats, Policy, StorePlan};
+use crate::plan::{Direction, Step};
 use hashbrown::HashMap;
 use jobs::Job;
 use request::Request;
@@ -452,7 +451,7 @@ impl Scheduler {
         let dst = &block_ids[local_gpu as usize..num_gpu as usize];
         self.pending_loads.push_job(
             job_id,
-            JobKind::Load,
+            Direction::Load,
             id,
             local_gpu as u32,
             &self.scratch_slots,
@@ -460,7 +459,7 @@ impl Scheduler {
         );
         let job = Job {
             request_id: id,
-            kind: JobKind::Load,
+            kind: Direction::Load,
             pending: self.cfg.num_workers,
             failed: false,
             keys: take_filled(&mut self.spare_keys, keys),
@@ -514,7 +513,7 @@ impl Scheduler {
                     "scheduled[{i}].request_id: {id} is scheduled twice"
                 ));
             }
-            if r.jobs.iter().any(|j| self.jobs[j].kind == JobKind::Load) {
+            if r.jobs.iter().any(|j| self.jobs[j].kind == Direction::Load) {
                 return Err(Error::InvalidState(format!(
                     "scheduled[{i}].request_id: {} is still loading; schedule it after its load completes",
                     s.request_id
@@ -670,7 +669,7 @@ impl Scheduler {
         self.next_job_id += 1;
         step.push_job(
             job_id,
-            JobKind::Store,
+            Direction::Store,
             s.request_id,
             (first * f) as u32,
             &blocks,
@@ -682,7 +681,7 @@ impl Scheduler {
         self.stats.stored_chunks += ix.len() as u64;
         let job = Job {
             request_id: s.request_id,
-            kind: JobKind::Store,
+            kind: Direction::Store,
             pending: self.cfg.num_workers,
             failed: false,
             keys,
@@ -762,10 +761,11 @@ impl Scheduler {
             r.next_stored_chunk = r.next_stored_chunk.min(job.first_chunk);
         }
         match job.kind {
-            JobKind::Store => self
-                .manager
-                .complete_store_at(&job.keys, &job.slots, !job.failed)?,
-            JobKind::Load => {
+            Direction::Store => {
+                self.manager
+                    .complete_store_at(&job.keys, &job.slots, !job.failed)?
+            }
+            Direction::Load => {
                 self.manager.complete_load(&job.keys)?;
                 if job.failed {
                     self.manager.discard(&job.keys)?;
@@ -848,7 +848,7 @@ impl Scheduler {
         let Some(&j) = r.jobs.first() else {
             return;
         };
-        if self.jobs[&j].kind != JobKind::Load
+        if self.jobs[&j].kind != Direction::Load
             || !self.pending_loads.jobs().iter().any(|p| p.id == j)
         {
             return;
@@ -919,7 +919,7 @@ impl Scheduler {
         let loads = self
             .jobs
             .values()
-            .filter(|j| j.kind == JobKind::Load)
+            .filter(|j| j.kind == Direction::Load)
             .count() as u64;
         SchedulerStats {
             requests: self.requests.len() as u64,
@@ -942,7 +942,7 @@ impl Scheduler {
             let loads = r
                 .jobs
                 .iter()
-                .filter(|&j| self.jobs.get(j).is_some_and(|j| j.kind == JobKind::Load))
+                .filter(|&j| self.jobs.get(j).is_some_and(|j| j.kind == Direction::Load))
                 .count();
             if loads > 0 && r.jobs.len() > 1 {
                 return bad(format!(
@@ -972,8 +972,8 @@ impl Scheduler {
             for key in j.keys.chunks_exact(kl) {
                 let rc = self.manager.ref_count(key);
                 let ok = match j.kind {
-                    JobKind::Load => rc > Some(0) && pinned.insert(key),
-                    JobKind::Store => rc == Some(-1) && storing.insert(key),
+                    Direction::Load => rc > Some(0) && pinned.insert(key),
+                    Direction::Store => rc == Some(-1) && storing.insert(key),
                 };
                 if !ok {
                     return bad(format!(
