@@ -249,7 +249,8 @@ typedef uint32_t kvo_defer_reason;
 #endif // __cplusplus
 
 /**
- * Directions of a job (`kvo_job_info.kind`).
+ * Direction of a job: `kvo_job_kind` in C (`kvo_job_info.kind`, `kvo_worker_submit_job`), the
+ * job kind of the wire format.
  */
 enum kvo_job_kind
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -659,7 +660,7 @@ typedef struct kvo_job_info {
    */
   uint32_t kind;
   /**
-   * GPU blocks copied.
+   * GPU blocks the job copies (`block_size_factor` of them fill one host slot).
    */
   uint32_t group_size;
   /**

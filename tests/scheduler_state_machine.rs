@@ -43,9 +43,9 @@
 
 use kvoffload::Error;
 use kvoffload::manager::Policy;
+use kvoffload::plan::{Direction, Step};
 use kvoffload::scheduler::{
-    DeferReason, JobKind, JobReport, Match, Recompute, ScheduledRequest, Scheduler,
-    SchedulerConfig, Step,
+    DeferReason, JobReport, Match, Recompute, ScheduledRequest, Scheduler, SchedulerConfig,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -166,7 +166,7 @@ struct HReq {
 
 #[derive(Debug)]
 struct HJob {
-    kind: JobKind,
+    kind: Direction,
     req: u64,
     /// Made before a reset: the scheduler forgot it.
     stale: bool,
@@ -402,13 +402,13 @@ impl Sim {
         for (id, j) in self.jobs.iter().filter(|(_, j)| !j.stale) {
             let e = per_req.entry(j.req).or_default();
             match j.kind {
-                JobKind::Load => {
+                Direction::Load => {
                     loads += 1;
                     e.0 += 1;
                     // Keys shared by two loads are `check_invariants`'s to judge.
                     load_keys.extend(&j.keys);
                 }
-                JobKind::Store => {
+                Direction::Store => {
                     stores += 1;
                     e.1 += 1;
                     for &k in &j.keys {
@@ -519,7 +519,7 @@ impl Sim {
         self.ok("finish_request", res)?;
         let unshipped = self.host_jobs(id).into_iter().find(|j| {
             let j = &self.jobs[j];
-            j.kind == JobKind::Load && j.step.is_none()
+            j.kind == Direction::Load && j.step.is_none()
         });
         if let Some(j) = unshipped {
             // Not shipped yet: the scheduler withdraws it, so the blocks are free at once.
@@ -581,7 +581,7 @@ impl Sim {
         let (kind, req, block_index) = (j.kind, j.req, j.block_index as usize);
         let (src, dst, expected) = (j.src.clone(), j.dst.clone(), j.expected.clone());
         match kind {
-            JobKind::Store => {
+            Direction::Store => {
                 for (s, &slot) in dst.iter().enumerate() {
                     let mut c = Vec::with_capacity(f);
                     for u in 0..f {
@@ -602,7 +602,7 @@ impl Sim {
                     self.slots.insert(slot, c);
                 }
             }
-            JobKind::Load => {
+            Direction::Load => {
                 let m = self.meta[&req];
                 let skip = block_index % f;
                 self.cov.loads_run += 1;
@@ -655,11 +655,11 @@ impl Sim {
         if failed && !j.stale {
             self.exp.failed_jobs += 1;
             match j.kind {
-                JobKind::Load => self.cov.failed_loads += 1,
-                JobKind::Store => self.cov.failed_stores += 1,
+                Direction::Load => self.cov.failed_loads += 1,
+                Direction::Store => self.cov.failed_stores += 1,
             }
         }
-        if j.kind == JobKind::Store {
+        if j.kind == Direction::Store {
             return Ok(());
         }
         if j.orphan {
@@ -853,7 +853,7 @@ impl Sim {
                 r.preempt_pending = false;
             }
             for j in self.host_jobs(p) {
-                if self.jobs[&j].kind == JobKind::Load && self.jobs[&j].step.is_none() {
+                if self.jobs[&j].kind == Direction::Load && self.jobs[&j].step.is_none() {
                     self.withdraw(j);
                 }
             }
@@ -863,12 +863,12 @@ impl Sim {
         let mut pending: BTreeSet<u64> = self
             .jobs
             .iter()
-            .filter(|(_, j)| j.kind == JobKind::Load && j.step.is_none())
+            .filter(|(_, j)| j.kind == Direction::Load && j.step.is_none())
             .map(|(&k, _)| k)
             .collect();
         let mut slots_in_use: HashSet<u32> = HashSet::new();
         for j in self.jobs.values().filter(|j| !j.stale && j.step.is_some()) {
-            slots_in_use.extend(if j.kind == JobKind::Load {
+            slots_in_use.extend(if j.kind == Direction::Load {
                 &j.src
             } else {
                 &j.dst
@@ -877,7 +877,7 @@ impl Sim {
         for d in step.jobs() {
             let (src, dst) = (step.src(d).to_vec(), step.dst(d).to_vec());
             match d.kind {
-                JobKind::Load => {
+                Direction::Load => {
                     ensure!(
                         self,
                         pending.remove(&d.id),
@@ -894,7 +894,7 @@ impl Sim {
                             && d.block_index as usize == lo
                             && dst == r.blocks[lo..hi]
                             && src.len() as u64 == (c + n).div_ceil(obs) - lo as u64 / f
-                            && d.group_size as usize == dst.len(),
+                            && d.num_gpu_blocks as usize == dst.len(),
                         "step {m}: load job {} of request {} (hit {c}+{n}, blocks {:?}) has block_index {}, src {src:?}, dst {dst:?}",
                         d.id,
                         j.req,
@@ -915,7 +915,7 @@ impl Sim {
                     j.dst = dst;
                     j.block_index = d.block_index;
                 }
-                JobKind::Store => {
+                Direction::Store => {
                     let id = d.request_id;
                     ensure!(
                         self,
@@ -932,7 +932,7 @@ impl Sim {
                     let has_load = self
                         .host_jobs(id)
                         .iter()
-                        .any(|j| self.jobs[j].kind == JobKind::Load);
+                        .any(|j| self.jobs[j].kind == Direction::Load);
                     ensure!(
                         self,
                         !has_load,
@@ -953,7 +953,7 @@ impl Sim {
                         self,
                         !dst.is_empty()
                             && src.len() == dst.len() * f as usize
-                            && d.group_size as usize == src.len(),
+                            && d.num_gpu_blocks as usize == src.len(),
                         "step {m}: store job {} has src {src:?}, dst {dst:?}",
                         d.id
                     );
@@ -1008,7 +1008,7 @@ impl Sim {
                     self.jobs.insert(
                         d.id,
                         HJob {
-                            kind: JobKind::Store,
+                            kind: Direction::Store,
                             req: id,
                             stale: false,
                             step: Some(m),
@@ -1060,13 +1060,13 @@ impl Sim {
         let (mut fence, mut load_fence) = (0, 0);
         for (&jid, j) in &self.jobs {
             let released = match j.kind {
-                JobKind::Store => !self.live(j.req),
-                JobKind::Load => j.orphan,
+                Direction::Store => !self.live(j.req),
+                Direction::Load => j.orphan,
             };
             if j.stale || !released || j.step.is_none() || j.flushed_at.is_some() {
                 continue;
             }
-            let touched = if j.kind == JobKind::Load {
+            let touched = if j.kind == Direction::Load {
                 &j.dst
             } else {
                 &j.src
@@ -1083,8 +1083,8 @@ impl Sim {
                     j.req
                 );
                 match j.kind {
-                    JobKind::Store => fence += 1,
-                    JobKind::Load => load_fence += 1,
+                    Direction::Store => fence += 1,
+                    Direction::Load => load_fence += 1,
                 }
             }
         }
@@ -1363,7 +1363,7 @@ impl Sim {
                 self.jobs.insert(
                     j,
                     HJob {
-                        kind: JobKind::Load,
+                        kind: Direction::Load,
                         req: id,
                         stale: false,
                         step: None,
@@ -1542,7 +1542,7 @@ impl Sim {
         let unshipped = self
             .jobs
             .values()
-            .any(|j| j.kind == JobKind::Load && j.step.is_none());
+            .any(|j| j.kind == Direction::Load && j.step.is_none());
         let res = self.s.reset();
         self.note(format!("reset() -> {res:?}"));
         match res {
@@ -1822,7 +1822,7 @@ impl Det {
         self.step.clone()
     }
 
-    fn ids(step: &Step, kind: JobKind) -> Vec<u64> {
+    fn ids(step: &Step, kind: Direction) -> Vec<u64> {
         step.jobs()
             .iter()
             .filter(|j| j.kind == kind)
@@ -1866,7 +1866,7 @@ fn race_46014(sync: bool, workers: u32) {
     assert_eq!(d.matched(1, 0), Match::Miss);
     assert_eq!(d.s.on_alloc(1, &r_blocks, 0).unwrap(), None);
     let st = d.build(&[sched(1, 0, 36, 36, &r_blocks)], &[]);
-    let p = Det::ids(&st, JobKind::Store);
+    let p = Det::ids(&st, Direction::Store);
     assert_eq!(p.len(), 1, "R stores chunks 0..3 in one job");
 
     let q_blocks: Vec<u32> = (20..32).collect();
@@ -1875,7 +1875,7 @@ fn race_46014(sync: bool, workers: u32) {
     assert_eq!(d.matched(2, 36), Match::Miss);
     d.s.on_alloc(2, &q_blocks, 0).unwrap();
     let st = d.build(&[sched(2, 36, 12, 48, &q_blocks)], &[]);
-    let q = Det::ids(&st, JobKind::Store);
+    let q = Det::ids(&st, Direction::Store);
     assert_eq!(
         st.src(&st.jobs()[0]),
         &[29, 30, 31],
@@ -1936,7 +1936,7 @@ fn race_46014(sync: bool, workers: u32) {
     let job = d.s.on_alloc(1, &load_blocks, 12).unwrap().unwrap();
     d.check();
     let st = d.build(&[], &[]);
-    assert_eq!(Det::ids(&st, JobKind::Load), vec![job]);
+    assert_eq!(Det::ids(&st, Direction::Load), vec![job]);
     let l = st.jobs()[0];
     assert_eq!(l.block_index, 9);
     assert_eq!(st.dst(&l), &[49, 50, 51]);
@@ -1999,7 +1999,7 @@ fn reset_does_not_defer_forever() {
     assert_eq!(d.matched(1, 0), Match::Miss);
     d.s.on_alloc(1, &b, 0).unwrap();
     let st = d.build(&[sched(1, 0, 24, 24, &b)], &[]);
-    let p = Det::ids(&st, JobKind::Store);
+    let p = Det::ids(&st, Direction::Store);
     d.report(&p); // one worker of two
     let st = d.build(&[], &[1]);
     assert_eq!(st.flush(), &p[..]);
@@ -2036,7 +2036,7 @@ fn two_matches_then_two_allocs_do_not_load_one_prefix_twice() {
     assert_eq!(d.matched(1, 0), Match::Miss);
     d.s.on_alloc(1, &b, 0).unwrap();
     let st = d.build(&[sched(1, 0, 24, 24, &b)], &[]);
-    d.report(&Det::ids(&st, JobKind::Store));
+    d.report(&Det::ids(&st, Direction::Store));
     d.s.finish_request(1).unwrap();
     for id in [2, 3] {
         d.s.add_request(id, 25, None).unwrap();
