@@ -312,6 +312,9 @@ mod tests {
             "4b 56 4f 53 01 00 02 01 01 01 ac 02 00 02 28 29 01 02 01 00 55 8b 0d d9"
         );
         let doc = include_str!("../../docs/step-format.md");
-        assert!(doc.contains(&hex.join(" ")), "docs/step-format.md shows these bytes");
+        assert!(
+            doc.contains(&hex.join(" ")),
+            "docs/step-format.md shows these bytes"
+        );
     }
 }
