@@ -257,8 +257,11 @@ class Worker(_Handle):
         lib.kvo_worker_submit_job(h, jid, k, s, ns, d, nd, bi, cs)
 
     def submit_step(self, step, compute_stream=0):
-        """Submits every job of a :class:`Step` (from :meth:`Scheduler.build_step` or
-        :meth:`Step.decode`), loads first. Raises :class:`InvalidArgumentError` if the plan's
+        """Executes a :class:`Step` (from :meth:`Scheduler.build_step` or :meth:`Step.decode`)
+        before its forward pass: submits the previous plan's deferred stores, waits for the
+        flush set, submits the loads, and defers the plan's stores (they read what this step's
+        forward pass writes) to the next :meth:`submit_step`, :meth:`submit_stores`, or a
+        :meth:`wait` naming one. Raises :class:`InvalidArgumentError` if the plan's
         block_size_factor differs from the worker's, :class:`InvalidStateError` if one of its
         job ids is in flight or after :meth:`shutdown` (then nothing is submitted)."""
         h = self._handle()
@@ -266,6 +269,12 @@ class Worker(_Handle):
             raise TypeError(f"step: expected a Step, got {type(step).__name__}")
         cs = _uint("compute_stream", compute_stream, _MAX_U64)
         lib.kvo_worker_submit_step(h, step._handle(), cs)
+
+    def submit_stores(self):
+        """Submits the stores deferred from the last plan now (once its forward pass has been
+        issued, when no further plan follows soon). Raises :class:`InvalidStateError` after
+        :meth:`shutdown`."""
+        lib.kvo_worker_submit_stores(self._handle())
 
     def poll(self, max=256) -> List[Completion]:  # noqa: A002  (the documented name)
         """Up to ``max`` finished jobs (per direction in submission order); the rest stay for
