@@ -98,7 +98,7 @@ fn store_then_load_round_trips_byte_exact() {
             }
             let a = Mem::new(1, 40, 256, 256);
             let b = Mem::new(2, 40, 128, 192); // strided: padding between pages
-            let mut w = worker(factor, 16, &[&a, &b]);
+            let w = worker(factor, 16, &[&a, &b]);
             let mut rng = Rng(factor as u64 * 10 + skip as u64);
             let n = 7u32;
             let gpu: Vec<u32> = (0..n).map(|_| rng.next(40) as u32).collect();
@@ -205,7 +205,7 @@ fn plans_merge_contiguous_runs() {
 #[test]
 fn fifo_completion_per_direction_and_large_split_jobs() {
     let a = Mem::new(1, 64, 1 << 16, 1 << 16); // 4 MiB of 64 KiB blocks
-    let mut w = worker(1, 64, &[&a]);
+    let w = worker(1, 64, &[&a]);
     let all: Vec<u32> = (0..64).collect();
     for id in 0..6u64 {
         let job = JobBlocks {
@@ -230,7 +230,7 @@ fn fifo_completion_per_direction_and_large_split_jobs() {
 #[test]
 fn bad_jobs_fail_and_nothing_crashes() {
     let a = Mem::new(1, 8, 64, 64);
-    let mut w = worker(1, 4, &[&a]);
+    let w = worker(1, 4, &[&a]);
     let before = a.snapshot();
     w.submit(
         1,
@@ -434,7 +434,7 @@ fn submit_step_runs_a_scheduler_plan() {
     use crate::manager::Policy;
     use crate::scheduler::{Match, ScheduledRequest, Scheduler, SchedulerConfig};
     let a = Mem::new(1, 32, 64, 64);
-    let mut w = worker(2, 8, &[&a]);
+    let w = worker(2, 8, &[&a]);
     let mut s = Scheduler::new(SchedulerConfig {
         key_len: 8,
         gpu_block_size: 4,
@@ -482,7 +482,7 @@ fn submit_step_runs_a_scheduler_plan() {
 #[test]
 fn ids_stay_in_use_until_handed_out_and_poll_respects_max() {
     let a = Mem::new(1, 8, 64, 64);
-    let mut w = worker(1, 8, &[&a]);
+    let w = worker(1, 8, &[&a]);
     let job = JobBlocks {
         kind: JobKind::Store,
         src: &[1],
@@ -575,7 +575,7 @@ fn submit_step_waits_for_the_flush_set_first() {
     // forward pass (and before any copy of its own) overwrites block 3.
     let page = 4 << 20;
     let a = Mem::new(1, 8, page, page);
-    let mut w = worker(1, 8, &[&a]);
+    let w = worker(1, 8, &[&a]);
     let mut s = Scheduler::new(SchedulerConfig {
         key_len: 8,
         gpu_block_size: 4,
