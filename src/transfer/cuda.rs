@@ -765,9 +765,11 @@ impl Backend for CudaBackend {
             // SAFETY: the driver looks the address up in its registrations and fails if unknown.
             let rc = unsafe { (self.api.host_unregister)(p as *mut c_void) };
             if rc != CUDA_SUCCESS && result.is_ok() {
-                result = Err(self
-                    .api
-                    .error("cuMemHostUnregister", rc, &format!(" (ptr {:p})", p as *mut u8)));
+                result = Err(self.api.error(
+                    "cuMemHostUnregister",
+                    rc,
+                    &format!(" (ptr {:p})", p as *mut u8),
+                ));
             }
         }
         result

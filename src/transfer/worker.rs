@@ -187,17 +187,27 @@ impl Worker {
                     .collect()
             })
             .transpose()?;
+        if cfg.backend == BackendKind::Host
+            && let Some(i) = tensors.iter().position(|t| t.on_device)
+        {
+            return Err(invalid!(
+                "tensors[{i}]: device memory needs the CUDA backend"
+            ));
+        }
         let backend: Box<dyn Backend> = match cfg.backend {
-            BackendKind::Host => {
-                if let Some(i) = tensors.iter().position(|t| t.on_device) {
-                    return Err(invalid!(
-                        "tensors[{i}]: device memory needs the CUDA backend"
-                    ));
-                }
-                Box::new(HostBackend::new(cfg.threads)?)
-            }
+            BackendKind::Host => Box::new(HostBackend::new(cfg.threads)?),
             BackendKind::Cuda(device) => Box::new(super::cuda::CudaBackend::new(device)?),
         };
+        Self::with_backend(cfg, tensors, borrowed, backend)
+    }
+
+    /// [`Worker::new`] after the checks, on `backend` (tests use their own).
+    pub(crate) fn with_backend(
+        cfg: WorkerConfig,
+        tensors: &[KvTensor],
+        borrowed: Option<Vec<HostBuffer>>,
+        backend: Box<dyn Backend>,
+    ) -> Result<Self> {
         let progress = backend.progress();
         let state = State {
             backend,
@@ -280,10 +290,8 @@ impl Worker {
         } else {
             Direction::ToHost
         };
-        let submitted = planned.and_then(|_| {
-            st.backend
-                .submit(job_id, dir, &st.descs, compute_stream)
-        });
+        let submitted =
+            planned.and_then(|_| st.backend.submit(job_id, dir, &st.descs, compute_stream));
         match submitted {
             Ok(()) => {
                 st.jobs.insert(job_id, Job::Running);
