@@ -58,6 +58,14 @@ impl Failure {
         Self::new(kvo_status::InvalidArgument, message)
     }
 
+    /// A constructor's error: a bad field is named as `cfg-><field>`; other errors (memory) keep
+    /// their message.
+    pub(crate) fn from_config(e: Error) -> Self {
+        let bad_field = matches!(e, Error::InvalidArgument(_));
+        let f = Self::from(e);
+        if bad_field { f.prefixed("cfg->") } else { f }
+    }
+
     /// The same failure with `prefix` before its message (to name a field of an array element).
     pub(crate) fn prefixed(self, prefix: &str) -> Self {
         Self {

@@ -61,7 +61,8 @@ pub struct kvo_scheduler_config {
     pub offload_prompt_only: u32,
     /// When >= 2, a chunk is stored only after this many lookups (default 0: off).
     pub store_threshold: u32,
-    /// Non-zero: buffer events for `kvo_scheduler_take_events` (default 0).
+    /// Non-zero: buffer events for `kvo_scheduler_take_events` (default 0), bounded as the
+    /// manager's (`kvo_manager_config.enable_events`).
     pub enable_events: u32,
     /// Keys the store-threshold filter tracks, >= 1 (default 64000).
     pub max_tracker_size: u64,
@@ -229,7 +230,9 @@ fn to_config(c: &kvo_scheduler_config) -> Result<SchedulerConfig, Failure> {
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for a
 /// `struct_size` too small, `key_len` outside 1..=64, a zero `gpu_block_size`,
-/// `block_size_factor` or `num_workers`, an unknown policy, or a bad tier setting.
+/// `block_size_factor` or `num_workers`, an unknown policy, or a bad tier setting;
+/// `KVO_STATUS_IO_ERROR` if the memory for `num_slots` slots cannot be had (the message says
+/// "out of memory").
 ///
 /// # Safety
 /// `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
@@ -243,7 +246,7 @@ pub unsafe extern "C" fn kvo_scheduler_new(
         // SAFETY: forwarded from the caller.
         let c = unsafe { read_config(cfg, "cfg") }?;
         non_null(out, "out")?;
-        let s = Scheduler::new(to_config(&c)?).map_err(|e| Failure::from(e).prefixed("cfg->"))?;
+        let s = Scheduler::new(to_config(&c)?).map_err(Failure::from_config)?;
         give(
             out,
             kvo_scheduler {
