@@ -9,8 +9,11 @@
 #include <stdint.h>
 /*
  * Thread-safety: every function may be called from any thread. Each handle serializes its own
- * calls. kvo_*_free must not race with any other call on the same handle. The library never calls
- * back into the host from its own threads: completions are polled.
+ * calls, except that a thread blocked waiting for a worker's jobs (kvo_worker_wait, the flush of
+ * kvo_worker_submit_step, a synchronous kvo_worker_swap_blocks, kvo_worker_shutdown) does not
+ * block other calls on that worker. kvo_*_free must not race with any other call on the same
+ * handle. The library never calls back into the host from its own threads: completions are
+ * polled.
  *
  * Errors: every fallible function returns a kvo_status; KVO_STATUS_OK is 0. Outputs are written
  * only on success (KVO_STATUS_BUFFER_TOO_SMALL writes the needed size). The calling thread's
@@ -57,6 +60,17 @@
  * Version of the encoding written by `kvo_step_encode`; `kvo_step_decode` rejects others.
  */
 #define KVO_STEP_FORMAT_VERSION 1
+
+/**
+ * Keys a manager's event buffer holds at most: `4 * num_slots`, and at least this many.
+ */
+#define MIN_EVENT_KEYS (1 << 16)
+
+/**
+ * Most bytes page-locked by one `cuMemHostRegister` call (vLLM pins in pieces of at most
+ * 64 GiB: drivers refuse single registrations of several hundred GiB).
+ */
+#define PIN_CHUNK_BYTES (64 << 30)
 
 /**
  * The result of every fallible C function. `KVO_STATUS_OK` is 0; details of any other value
@@ -343,7 +357,9 @@ typedef struct kvo_manager_config {
    */
   uint32_t store_threshold;
   /**
-   * Non-zero: buffer events for `kvo_manager_take_events` (default 0).
+   * Non-zero: buffer events for `kvo_manager_take_events` (default 0). The buffer holds at most
+   * max(4 * num_slots, 65536) keys: beyond that the oldest events are dropped (counted in
+   * `kvo_manager_stats.events_dropped`); the newest event is always kept whole.
    */
   uint32_t enable_events;
   /**
@@ -423,6 +439,11 @@ typedef struct kvo_manager_stats {
    * Keys evicted (cumulative).
    */
   uint64_t evictions;
+  /**
+   * Events dropped, oldest first, because the event buffer was full (cumulative; see
+   * `kvo_manager_config.enable_events`).
+   */
+  uint64_t events_dropped;
 } kvo_manager_stats;
 
 /**
@@ -466,7 +487,8 @@ typedef struct kvo_scheduler_config {
    */
   uint32_t store_threshold;
   /**
-   * Non-zero: buffer events for `kvo_scheduler_take_events` (default 0).
+   * Non-zero: buffer events for `kvo_scheduler_take_events` (default 0), bounded as the
+   * manager's (`kvo_manager_config.enable_events`).
    */
   uint32_t enable_events;
   /**
@@ -824,7 +846,9 @@ KVO_NODISCARD kvo_status kvo_manager_config_default(struct kvo_manager_config *o
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `cfg` or `out` is NULL;
  * `KVO_STATUS_INVALID_ARGUMENT` for a `struct_size` too small, `key_len` outside 1..=64, an
- * unknown policy, `num_slots` too large, or `max_tracker_size` 0 with a store threshold.
+ * unknown policy, `num_slots` too large, or `max_tracker_size` 0 with a store threshold;
+ * `KVO_STATUS_IO_ERROR` if the memory for `num_slots` slots cannot be had (the message says
+ * "out of memory").
  *
  * # Safety
  * `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
@@ -937,6 +961,11 @@ kvo_status kvo_manager_complete_load(struct kvo_manager *m,
  * `*out_n_store`); `KVO_STATUS_NO_ROOM` when not enough can be evicted now (a normal answer:
  * retry on a later step). On any failure nothing changes.
  *
+ * With `KVO_POLICY_ARC`, `KVO_STATUS_NO_ROOM` can come while `kvo_manager_stats.evictable` is at
+ * least the number of slots needed: like vLLM 0.24's ARC (deliberately copied, so that replays
+ * match), eviction scans T1 only while T1 holds at least `int(target)` entries and takes the rest
+ * from T2, so evictable keys left in T1 below that size are not taken.
+ *
  * # Safety
  * `keys` is NULL or `n_keys * key_len` readable bytes; outputs NULL or writable as described.
  */
@@ -990,7 +1019,9 @@ kvo_status kvo_manager_complete_store_at(struct kvo_manager *m,
 
 /**
  * Takes the buffered events (oldest first): writes `*out_n_events` records to `out_events` and
- * their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes).
+ * their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes). The buffer is
+ * bounded (see `kvo_manager_config.enable_events`): events not taken in time are dropped, oldest
+ * first, and counted in `kvo_manager_stats.events_dropped`.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_BUFFER_TOO_SMALL` if
  * `events_cap` or `keys_cap` (in keys) is too small: then the needed counts are written to
@@ -1062,7 +1093,9 @@ KVO_NODISCARD kvo_status kvo_scheduler_config_default(struct kvo_scheduler_confi
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for a
  * `struct_size` too small, `key_len` outside 1..=64, a zero `gpu_block_size`,
- * `block_size_factor` or `num_workers`, an unknown policy, or a bad tier setting.
+ * `block_size_factor` or `num_workers`, an unknown policy, or a bad tier setting;
+ * `KVO_STATUS_IO_ERROR` if the memory for `num_slots` slots cannot be had (the message says
+ * "out of memory").
  *
  * # Safety
  * `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
@@ -1189,8 +1222,9 @@ kvo_status kvo_scheduler_build_step(struct kvo_scheduler *s,
  * must recompute). Reports of jobs from before a reset are ignored.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for a job id not in
- * flight; `KVO_STATUS_INVALID_ARGUMENT` for a zero count or more reports than workers. On failure
- * no report is applied.
+ * flight; `KVO_STATUS_INVALID_STATE` for a load made by `kvo_scheduler_on_alloc` that is not in a
+ * step yet (`kvo_scheduler_build_step` ships it); `KVO_STATUS_INVALID_ARGUMENT` for a zero count
+ * or more reports than workers. On failure no report is applied.
  *
  * # Safety
  * `s` is NULL or live; `reports` NULL or `n_reports` readable entries.
@@ -1464,12 +1498,13 @@ kvo_status kvo_worker_submit_job(struct kvo_worker *w,
  * until the plan's flush set has finished (jobs of earlier steps that must not overlap this
  * step's copies or forward pass; ids already finished and handed out are skipped), then submits
  * every job, loads first. `compute_stream` as for `kvo_worker_submit_job`. When it returns, the
- * forward pass may run.
+ * forward pass may run. The plan's job ids are in use from the start of the call; other calls
+ * on the worker proceed while it waits.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if the plan's
  * block_size_factor differs from the worker's; `KVO_STATUS_INVALID_STATE` if a job id is in use
- * or repeated in the plan, or after shutdown (then nothing is submitted); `KVO_STATUS_CUDA_ERROR`
- * if the driver fails while waiting.
+ * or repeated in the plan, or after (or during its wait, a) shutdown (then nothing is submitted);
+ * `KVO_STATUS_CUDA_ERROR` if the driver fails while waiting.
  *
  * # Safety
  * `w`, `step` NULL or live.
@@ -1499,11 +1534,14 @@ kvo_status kvo_worker_poll(struct kvo_worker *w,
                            size_t *out_n);
 
 /**
- * Copies the message of a failed job handed out by `kvo_worker_poll` (the last 1024 are kept)
- * into `buf` (NUL-terminated, truncated) and writes its full length to `*out_len`.
+ * Copies the message of a failed job into `buf` (NUL-terminated, truncated) and writes its full
+ * length to `*out_len`. A failed job's message is kept with its completion until
+ * `kvo_worker_poll` hands the completion out, and then until the next `kvo_worker_poll` that
+ * hands out any job: read the messages of a poll's failed jobs before polling again (however
+ * many failed).
  *
- * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` if no message is
- * kept for `job_id`.
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` if `job_id` is not
+ * a failed job of the latest poll that handed out jobs.
  *
  * # Safety
  * `w` NULL or live; `buf` NULL or `len` writable bytes; `out_len` NULL or writable.
@@ -1517,7 +1555,9 @@ kvo_status kvo_worker_job_error(const struct kvo_worker *w,
 
 /**
  * Blocks until every listed job has finished, or `timeout_ms` passes. Completions remain to be
- * polled. (`kvo_worker_submit_step` already waits for a plan's flush set.)
+ * polled; a job handed out by another thread's `kvo_worker_poll` meanwhile counts as finished.
+ * Other calls on the worker proceed while it waits. (`kvo_worker_submit_step` already waits for
+ * a plan's flush set.)
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an id never
  * submitted or already handed out by `kvo_worker_poll`; `KVO_STATUS_TIMEOUT`;
@@ -1535,10 +1575,14 @@ kvo_status kvo_worker_wait(struct kvo_worker *w,
 /**
  * Copies block `src_blocks[i]` of tensor `src_tensor` to block `dst_blocks[i]` of tensor
  * `dst_tensor` (indices into the registration; equal page sizes). With `as_job` non-zero the copy
- * is queued as job `job_id` and reported by `kvo_worker_poll`; otherwise it runs now.
+ * is queued as job `job_id` and reported by `kvo_worker_poll`; otherwise it runs now and the call
+ * returns when it is done.
  *
- * The copies have no order among themselves, so within one tensor a block may not be both a
- * source and a destination.
+ * Either way the copy is queued behind the jobs already submitted in its direction (a destination
+ * tensor in device memory: behind the loads; in host memory: behind the stores), so a synchronous
+ * swap also waits for those. Other calls on the worker proceed while it waits. The copies have
+ * no order among themselves, so within one tensor a block may not be both a source and a
+ * destination.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for tensor
  * indices, block ids or page sizes that do not fit, or a block both read and written;
@@ -1575,8 +1619,9 @@ kvo_status kvo_worker_get_host_buffer(const struct kvo_worker *w,
                                       size_t *out_len);
 
 /**
- * Finishes every job in flight, then refuses new submissions (`KVO_STATUS_INVALID_STATE`).
- * Completions stay pollable.
+ * Refuses new submissions from now on (`KVO_STATUS_INVALID_STATE`), then blocks until every job
+ * in flight has finished. Other calls on the worker (polls) proceed while it waits. Completions
+ * stay pollable.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_CUDA_ERROR`.
  *

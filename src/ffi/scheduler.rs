@@ -477,8 +477,9 @@ pub unsafe extern "C" fn kvo_scheduler_build_step(
 /// must recompute). Reports of jobs from before a reset are ignored.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for a job id not in
-/// flight; `KVO_STATUS_INVALID_ARGUMENT` for a zero count or more reports than workers. On failure
-/// no report is applied.
+/// flight; `KVO_STATUS_INVALID_STATE` for a load made by `kvo_scheduler_on_alloc` that is not in a
+/// step yet (`kvo_scheduler_build_step` ships it); `KVO_STATUS_INVALID_ARGUMENT` for a zero count
+/// or more reports than workers. On failure no report is applied.
 ///
 /// # Safety
 /// `s` is NULL or live; `reports` NULL or `n_reports` readable entries.
