@@ -148,7 +148,7 @@ fn store_then_load_round_trips_byte_exact() {
             let c = Mem::new(3, 40, 256, 256);
             let d = Mem::new(4, 40, 128, 192);
             let (c0, d0) = (c.snapshot(), d.snapshot());
-            let mut w2 = worker(factor, 16, &[&c, &d]);
+            let w2 = worker(factor, 16, &[&c, &d]);
             for t in 0..2 {
                 let (src, len) = w.host_buffer(t).unwrap();
                 let (dst, len2) = w2.host_buffer(t).unwrap();
@@ -164,7 +164,7 @@ fn store_then_load_round_trips_byte_exact() {
                 block_index: skip,
             };
             w2.submit(2, &load, 0).unwrap();
-            assert!(drain(&mut w2, &[2])[0].success);
+            assert!(drain(&w2, &[2])[0].success);
             for (i, &g) in gpu.iter().enumerate() {
                 assert_eq!(c.page(targets[i]), a.page(g));
                 assert_eq!(d.page(targets[i]), b.page(g));
@@ -666,7 +666,8 @@ fn a_blocked_wait_does_not_block_the_worker() {
         num_host_slots: 8,
         ..Default::default()
     };
-    let ops: [(&str, fn(&Worker)); 4] = [
+    type Op = (&'static str, fn(&Worker));
+    let ops: [Op; 4] = [
         ("wait", |w| w.wait(&[1], Duration::from_secs(30)).unwrap()),
         ("submit_step", |w| {
             let mut step = Step::new();
