@@ -62,17 +62,6 @@
 #define KVO_STEP_FORMAT_VERSION 1
 
 /**
- * Keys a manager's event buffer holds at most: `4 * num_slots`, and at least this many.
- */
-#define MIN_EVENT_KEYS (1 << 16)
-
-/**
- * Most bytes page-locked by one `cuMemHostRegister` call (vLLM pins in pieces of at most
- * 64 GiB: drivers refuse single registrations of several hundred GiB).
- */
-#define PIN_CHUNK_BYTES (64 << 30)
-
-/**
  * The result of every fallible C function. `KVO_STATUS_OK` is 0; details of any other value
  * are in `kvo_last_error_message`.
  */
@@ -137,6 +126,10 @@ enum kvo_status
    * A wait ran out of time before the jobs finished.
    */
   KVO_STATUS_TIMEOUT = 13,
+  /**
+   * Memory for the requested sizes could not be had (nothing was changed).
+   */
+  KVO_STATUS_OUT_OF_MEMORY = 14,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -263,7 +256,8 @@ typedef uint32_t kvo_defer_reason;
 #endif // __cplusplus
 
 /**
- * Directions of a job (`kvo_job_info.kind`).
+ * Direction of a job: `kvo_job_kind` in C (`kvo_job_info.kind`, `kvo_worker_submit_job`), the
+ * job kind of the wire format.
  */
 enum kvo_job_kind
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -681,7 +675,7 @@ typedef struct kvo_job_info {
    */
   uint32_t kind;
   /**
-   * GPU blocks copied.
+   * GPU blocks the job copies (`block_size_factor` of them fill one host slot).
    */
   uint32_t group_size;
   /**
@@ -847,8 +841,7 @@ KVO_NODISCARD kvo_status kvo_manager_config_default(struct kvo_manager_config *o
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `cfg` or `out` is NULL;
  * `KVO_STATUS_INVALID_ARGUMENT` for a `struct_size` too small, `key_len` outside 1..=64, an
  * unknown policy, `num_slots` too large, or `max_tracker_size` 0 with a store threshold;
- * `KVO_STATUS_IO_ERROR` if the memory for `num_slots` slots cannot be had (the message says
- * "out of memory").
+ * `KVO_STATUS_OUT_OF_MEMORY` if the tier's index for `num_slots` cannot be allocated.
  *
  * # Safety
  * `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
@@ -1094,8 +1087,7 @@ KVO_NODISCARD kvo_status kvo_scheduler_config_default(struct kvo_scheduler_confi
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for a
  * `struct_size` too small, `key_len` outside 1..=64, a zero `gpu_block_size`,
  * `block_size_factor` or `num_workers`, an unknown policy, or a bad tier setting;
- * `KVO_STATUS_IO_ERROR` if the memory for `num_slots` slots cannot be had (the message says
- * "out of memory").
+ * `KVO_STATUS_OUT_OF_MEMORY` if the tier's index for `num_slots` cannot be allocated.
  *
  * # Safety
  * `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
@@ -1222,9 +1214,10 @@ kvo_status kvo_scheduler_build_step(struct kvo_scheduler *s,
  * must recompute). Reports of jobs from before a reset are ignored.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for a job id not in
- * flight; `KVO_STATUS_INVALID_STATE` for a load made by `kvo_scheduler_on_alloc` that is not in a
- * step yet (`kvo_scheduler_build_step` ships it); `KVO_STATUS_INVALID_ARGUMENT` for a zero count
- * or more reports than workers. On failure no report is applied.
+ * flight (a withdrawn load included); `KVO_STATUS_INVALID_STATE` for a load made by
+ * `kvo_scheduler_on_alloc` but not yet in a step; `KVO_STATUS_INVALID_ARGUMENT` for a zero count
+ * or more reports than workers (stale job ids from before a reset included). On failure no
+ * report is applied.
  *
  * # Safety
  * `s` is NULL or live; `reports` NULL or `n_reports` readable entries.
@@ -1447,7 +1440,9 @@ KVO_NODISCARD kvo_status kvo_worker_config_default(struct kvo_worker_config *out
  * config (struct_size, zero factor or slots, unknown backend), an empty, overlapping, misaligned
  * or zero-sized registration, device tensors with the host backend, or a host buffer too small;
  * `KVO_STATUS_CUDA_UNAVAILABLE` / `KVO_STATUS_CUDA_ERROR` for the CUDA backend without a
- * usable driver or device; `KVO_STATUS_IO_ERROR` if memory or threads cannot be had.
+ * usable driver or device; `KVO_STATUS_OUT_OF_MEMORY` if the host tier cannot be allocated or is
+ * larger than the machine's memory (checked before any memory is touched); `KVO_STATUS_IO_ERROR`
+ * if threads cannot be had. On failure everything allocated or page-locked is released.
  *
  * # Safety
  * `cfg` NULL or `cfg->struct_size` readable bytes; `tensors` NULL or `n_tensors` entries;
@@ -1503,8 +1498,8 @@ kvo_status kvo_worker_submit_job(struct kvo_worker *w,
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if the plan's
  * block_size_factor differs from the worker's; `KVO_STATUS_INVALID_STATE` if a job id is in use
- * or repeated in the plan, or after (or during its wait, a) shutdown (then nothing is submitted);
- * `KVO_STATUS_CUDA_ERROR` if the driver fails while waiting.
+ * or repeated in the plan, or when the worker is shut down before or during the wait (then
+ * nothing is submitted); `KVO_STATUS_CUDA_ERROR` if the driver fails while waiting.
  *
  * # Safety
  * `w`, `step` NULL or live.

@@ -4,7 +4,7 @@ use super::{
     Failure, copy_c_string, free_handle, give, guard, handle, kvo_status, kvo_step, lock, non_null,
     read_config, slice, slice_mut, write,
 };
-use crate::scheduler::JobKind;
+use crate::plan::Direction;
 use crate::transfer::{BackendKind, Completion, JobBlocks, KvTensor, Worker, WorkerConfig};
 use std::ffi::{c_char, c_void};
 use std::sync::{Mutex, MutexGuard};
@@ -129,7 +129,9 @@ pub unsafe extern "C" fn kvo_worker_config_default(out: *mut kvo_worker_config) 
     guard(|| {
         non_null(out, "out")?;
         let d = WorkerConfig::default();
-        write(
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe {
+            write(
             out,
             kvo_worker_config {
                 struct_size: size_of::<kvo_worker_config>(),
@@ -140,7 +142,8 @@ pub unsafe extern "C" fn kvo_worker_config_default(out: *mut kvo_worker_config) 
                 device: 0,
                 reserved: 0,
             },
-        );
+        )
+        };
         Ok(())
     })
 }
@@ -153,7 +156,9 @@ pub unsafe extern "C" fn kvo_worker_config_default(out: *mut kvo_worker_config) 
 /// config (struct_size, zero factor or slots, unknown backend), an empty, overlapping, misaligned
 /// or zero-sized registration, device tensors with the host backend, or a host buffer too small;
 /// `KVO_STATUS_CUDA_UNAVAILABLE` / `KVO_STATUS_CUDA_ERROR` for the CUDA backend without a
-/// usable driver or device; `KVO_STATUS_IO_ERROR` if memory or threads cannot be had.
+/// usable driver or device; `KVO_STATUS_OUT_OF_MEMORY` if the host tier cannot be allocated or is
+/// larger than the machine's memory (checked before any memory is touched); `KVO_STATUS_IO_ERROR`
+/// if threads cannot be had. On failure everything allocated or page-locked is released.
 ///
 /// # Safety
 /// `cfg` NULL or `cfg->struct_size` readable bytes; `tensors` NULL or `n_tensors` entries;
@@ -206,16 +211,19 @@ pub unsafe extern "C" fn kvo_worker_new(
             Some(hb.iter().map(|h| (h.ptr as *mut u8, h.len)).collect())
         };
         let worker = Worker::new(config, &kv, mem.as_deref())?;
-        give(
-            out,
-            kvo_worker {
-                worker,
-                polled: Mutex::new(Polled {
-                    errors: Vec::new(),
-                    scratch: Vec::new(),
-                }),
-            },
-        );
+        // SAFETY: `out`, checked non-NULL above, is writable (the contract).
+        unsafe {
+            give(
+                out,
+                kvo_worker {
+                    worker,
+                    polled: Mutex::new(Polled {
+                        errors: Vec::new(),
+                        scratch: Vec::new(),
+                    }),
+                },
+            )
+        };
         Ok(())
     })
 }
@@ -257,11 +265,8 @@ pub unsafe extern "C" fn kvo_worker_submit_job(
     compute_stream: u64,
 ) -> kvo_status {
     guard(|| {
-        let kind = match kind {
-            0 => JobKind::Load,
-            1 => JobKind::Store,
-            k => return Err(Failure::invalid(format!("kind: {k} is not a kvo_job_kind"))),
-        };
+        let kind = Direction::from_u32(kind)
+            .ok_or_else(|| Failure::invalid(format!("kind: {kind} is not a kvo_job_kind")))?;
         // SAFETY: forwarded from the caller.
         let src = unsafe { slice(src, n_src, "src") }?;
         // SAFETY: forwarded from the caller.
@@ -290,8 +295,8 @@ pub unsafe extern "C" fn kvo_worker_submit_job(
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if the plan's
 /// block_size_factor differs from the worker's; `KVO_STATUS_INVALID_STATE` if a job id is in use
-/// or repeated in the plan, or after (or during its wait, a) shutdown (then nothing is submitted);
-/// `KVO_STATUS_CUDA_ERROR` if the driver fails while waiting.
+/// or repeated in the plan, or when the worker is shut down before or during the wait (then
+/// nothing is submitted); `KVO_STATUS_CUDA_ERROR` if the driver fails while waiting.
 ///
 /// # Safety
 /// `w`, `step` NULL or live.
@@ -357,7 +362,8 @@ pub unsafe extern "C" fn kvo_worker_poll(
                 p.errors.push((c.job_id, e));
             }
         }
-        write(out_n, n);
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_n, n) };
         Ok(())
     })
 }
@@ -401,7 +407,8 @@ pub unsafe extern "C" fn kvo_worker_job_error(
         // SAFETY: forwarded from the caller.
         let out = unsafe { slice_mut(buf as *mut u8, len, "buf") }?;
         copy_c_string(msg, out);
-        write(out_len, msg.len());
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_len, msg.len()) };
         Ok(())
     })
 }
@@ -501,8 +508,10 @@ pub unsafe extern "C" fn kvo_worker_get_host_buffer(
         non_null(out_len, "out_len")?;
         // SAFETY: forwarded from the caller.
         let (p, len) = unsafe { worker(w) }?.worker.host_buffer(tensor as usize)?;
-        write(out_ptr, p as *mut c_void);
-        write(out_len, len);
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_ptr, p as *mut c_void) };
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_len, len) };
         Ok(())
     })
 }

@@ -1,9 +1,9 @@
 //! Worker tests on the host backend: byte-exact copies, layouts, ordering and bad input.
 
-use super::backend::{Backend, Direction};
+use super::backend::Backend;
 use super::*;
 use crate::Error;
-use crate::scheduler::{JobKind, Step};
+use crate::plan::{Direction, Step};
 use std::time::Duration;
 
 /// A fake "GPU" tensor in host memory: `blocks` blocks of `page` bytes, `stride` apart, filled
@@ -107,7 +107,7 @@ fn store_then_load_round_trips_byte_exact() {
             let slots: Vec<u32> = (0..slots_needed).map(|i| 15 - i).collect();
             let (a0, b0) = (a.snapshot(), b.snapshot());
             let store = JobBlocks {
-                kind: JobKind::Store,
+                kind: Direction::Store,
                 src: &gpu,
                 dst: &slots,
                 block_index: skip,
@@ -158,7 +158,7 @@ fn store_then_load_round_trips_byte_exact() {
             }
             let targets: Vec<u32> = (0..n).map(|i| 39 - 2 * i).collect();
             let load = JobBlocks {
-                kind: JobKind::Load,
+                kind: Direction::Load,
                 src: &slots,
                 dst: &targets,
                 block_index: skip,
@@ -190,7 +190,7 @@ fn plans_merge_contiguous_runs() {
     let w = worker(2, 8, &[&a]);
     let mut out = Vec::new();
     let job = JobBlocks {
-        kind: JobKind::Store,
+        kind: Direction::Store,
         src: &[4, 5, 6, 7, 9],
         dst: &[2, 3, 5],
         block_index: 0,
@@ -210,7 +210,7 @@ fn fifo_completion_per_direction_and_large_split_jobs() {
     let all: Vec<u32> = (0..64).collect();
     for id in 0..6u64 {
         let job = JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src: &all,
             dst: &all,
             block_index: 0,
@@ -236,7 +236,7 @@ fn bad_jobs_fail_and_nothing_crashes() {
     w.submit(
         1,
         &JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src: &[8],
             dst: &[0],
             block_index: 0,
@@ -247,7 +247,7 @@ fn bad_jobs_fail_and_nothing_crashes() {
     w.submit(
         2,
         &JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src: &[0],
             dst: &[4],
             block_index: 0,
@@ -258,7 +258,7 @@ fn bad_jobs_fail_and_nothing_crashes() {
     w.submit(
         3,
         &JobBlocks {
-            kind: JobKind::Load,
+            kind: Direction::Load,
             src: &[0, 1],
             dst: &[0],
             block_index: 0,
@@ -270,7 +270,7 @@ fn bad_jobs_fail_and_nothing_crashes() {
         w.submit(
             3,
             &JobBlocks {
-                kind: JobKind::Load,
+                kind: Direction::Load,
                 src: &[0],
                 dst: &[0],
                 block_index: 0
@@ -294,7 +294,7 @@ fn bad_jobs_fail_and_nothing_crashes() {
         w.submit(
             9,
             &JobBlocks {
-                kind: JobKind::Store,
+                kind: Direction::Store,
                 src: &[0],
                 dst: &[0],
                 block_index: 0
@@ -402,7 +402,7 @@ fn caller_host_memory_and_swap_blocks() {
     w.submit(
         1,
         &JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src: &[3],
             dst: &[2],
             block_index: 0,
@@ -485,7 +485,7 @@ fn ids_stay_in_use_until_handed_out_and_poll_respects_max() {
     let a = Mem::new(1, 8, 64, 64);
     let w = worker(1, 8, &[&a]);
     let job = JobBlocks {
-        kind: JobKind::Store,
+        kind: Direction::Store,
         src: &[1],
         dst: &[1],
         block_index: 0,
@@ -672,7 +672,7 @@ fn a_blocked_wait_does_not_block_the_worker() {
         ("submit_step", |w| {
             let mut step = Step::new();
             step.clear(1);
-            step.push_job(50, JobKind::Store, 9, 0, &[4], &[5]);
+            step.push_job(50, Direction::Store, 9, 0, &[4], &[5]);
             step.set_flush([1]);
             w.submit_step(&step, 0).unwrap();
         }),
@@ -688,7 +688,7 @@ fn a_blocked_wait_does_not_block_the_worker() {
             Worker::with_backend(cfg, &[a.tensor], None, Box::new(gate.clone())).unwrap(),
         );
         let blocks = |src: &'static [u32], dst: &'static [u32]| JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src,
             dst,
             block_index: 0,
@@ -754,7 +754,7 @@ fn messages_of_many_failed_jobs_are_all_kept() {
     for id in 0..n {
         // KV block 100 is outside the registration of 8 blocks.
         let job = JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src: &[100],
             dst: &[0],
             block_index: 0,
@@ -794,7 +794,7 @@ fn interleaved_tensors_overlap_only_where_pages_do() {
     w.submit(
         1,
         &JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src: &[2],
             dst: &[0],
             block_index: 0,
@@ -805,7 +805,7 @@ fn interleaved_tensors_overlap_only_where_pages_do() {
     w.submit(
         2,
         &JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src: &[2],
             dst: &[0],
             block_index: 0,
@@ -964,7 +964,7 @@ fn a_shutdown_during_a_steps_flush_wait_cancels_the_step() {
         Worker::with_backend(cfg, &[a.tensor], None, Box::new(gate.clone())).unwrap(),
     );
     let job = JobBlocks {
-        kind: JobKind::Store,
+        kind: Direction::Store,
         src: &[0],
         dst: &[0],
         block_index: 0,
@@ -975,7 +975,7 @@ fn a_shutdown_during_a_steps_flush_wait_cancels_the_step() {
         std::thread::spawn(move || {
             let mut step = Step::new();
             step.clear(1);
-            step.push_job(60, JobKind::Store, 9, 0, &[4], &[5]);
+            step.push_job(60, Direction::Store, 9, 0, &[4], &[5]);
             step.set_flush([1]);
             w.submit_step(&step, 0)
         })

@@ -8,12 +8,12 @@
 //! `shutdown`) drops the lock while it blocks and takes it again to look for completions, so
 //! other threads keep polling, submitting and reading on the same worker.
 
-use super::backend::{Backend, Completion, CopyDesc, Direction, Progress};
+use super::backend::{Backend, Completion, CopyDesc, Progress};
+use super::copy_plan::{JobBlocks, plan_job, push_merged};
 use super::host::HostBackend;
 use super::layout::{self, HostBuffer, KvTensor};
-use super::plan::{JobBlocks, plan_job, push_merged};
 use crate::error::{Error, Result, invalid};
-use crate::scheduler::{JobKind, Step};
+use crate::plan::{Direction, Step};
 use hashbrown::{HashMap, HashSet};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -285,13 +285,8 @@ impl Worker {
             self.cfg.num_host_slots,
             &mut st.descs,
         );
-        let dir = if job.kind == JobKind::Load {
-            Direction::ToKv
-        } else {
-            Direction::ToHost
-        };
-        let submitted =
-            planned.and_then(|_| st.backend.submit(job_id, dir, &st.descs, compute_stream));
+        let submitted = planned
+            .and_then(|_| st.backend.submit(job_id, job.kind, &st.descs, compute_stream));
         match submitted {
             Ok(()) => {
                 st.jobs.insert(job_id, Job::Running);
@@ -511,9 +506,9 @@ impl Worker {
             ));
         }
         let dir = if d.on_device {
-            Direction::ToKv
+            Direction::Load
         } else {
-            Direction::ToHost
+            Direction::Store
         };
         let id = {
             let mut guard = self.lock()?;
