@@ -132,17 +132,17 @@ pub unsafe extern "C" fn kvo_worker_config_default(out: *mut kvo_worker_config) 
         // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
         unsafe {
             write(
-            out,
-            kvo_worker_config {
-                struct_size: size_of::<kvo_worker_config>(),
-                block_size_factor: d.block_size_factor,
-                num_host_slots: d.num_host_slots,
-                threads: d.threads as u32,
-                backend: kvo_backend::Host as u32,
-                device: 0,
-                reserved: 0,
-            },
-        )
+                out,
+                kvo_worker_config {
+                    struct_size: size_of::<kvo_worker_config>(),
+                    block_size_factor: d.block_size_factor,
+                    num_host_slots: d.num_host_slots,
+                    threads: d.threads as u32,
+                    backend: kvo_backend::Host as u32,
+                    device: 0,
+                    reserved: 0,
+                },
+            )
         };
         Ok(())
     })

@@ -285,8 +285,10 @@ impl Worker {
             self.cfg.num_host_slots,
             &mut st.descs,
         );
-        let submitted = planned
-            .and_then(|_| st.backend.submit(job_id, job.kind, &st.descs, compute_stream));
+        let submitted = planned.and_then(|_| {
+            st.backend
+                .submit(job_id, job.kind, &st.descs, compute_stream)
+        });
         match submitted {
             Ok(()) => {
                 st.jobs.insert(job_id, Job::Running);
