@@ -863,6 +863,17 @@ fn worker_creation_rolls_back(mode: &str) {
     let w = Worker::new(cuda_config(), &tensors, None).expect("worker on the fake driver");
     assert_eq!(stat("host_registered_live"), 3);
     assert_eq!(stat("host_registered_bytes"), 3 * 32 * 4096);
+    // Pre-faulted before page-locking: every page of each owned tier is resident.
+    for t in 0..3 {
+        let (p, len) = w.host_buffer(t).expect("host buffer");
+        let mut v = vec![0u8; len.div_ceil(4096)];
+        // SAFETY: `p` is the page-aligned start of the tier's mapping of `len` bytes.
+        assert_eq!(unsafe { libc::mincore(p.cast(), len, v.as_mut_ptr()) }, 0);
+        assert!(
+            v.iter().all(|&b| b & 1 != 0),
+            "{mode}: tier {t} not pre-faulted"
+        );
+    }
     drop(w);
     assert_eq!(stat("host_registered_live"), 0);
 
