@@ -962,3 +962,56 @@ fn an_owned_tier_is_not_touched_at_creation() {
     assert!((256..=1024).contains(&resident()), "{} pages", resident());
     assert_eq!(host_sub_block(&w, 0, 100, 0, 1 << 20), a.page(3));
 }
+
+/// A shutdown while a step waits for its flush set: the step then submits nothing, fails with
+/// InvalidState, and gives its job ids back; the shutdown waits for the flushed job only.
+#[test]
+fn a_shutdown_during_a_steps_flush_wait_cancels_the_step() {
+    let a = Mem::new(1, 8, 64, 64);
+    let cfg = WorkerConfig {
+        num_host_slots: 8,
+        ..Default::default()
+    };
+    let gate = Gate::default();
+    let w = std::sync::Arc::new(
+        Worker::with_backend(cfg, &[a.tensor], None, Box::new(gate.clone())).unwrap(),
+    );
+    let job = JobBlocks {
+        kind: Direction::Store,
+        src: &[0],
+        dst: &[0],
+        block_index: 0,
+    };
+    w.submit(1, &job, 0).unwrap();
+    let stepper = {
+        let w = w.clone();
+        std::thread::spawn(move || {
+            let mut step = Step::new();
+            step.clear(1);
+            step.push_job(60, Direction::Store, 9, 0, &[4], &[5]);
+            step.set_flush([1]);
+            w.submit_step(&step, 0)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    // The step's id is taken while it waits.
+    assert!(matches!(w.submit(60, &job, 0), Err(Error::InvalidState(m)) if m.contains("60")));
+    let closer = {
+        let w = w.clone();
+        std::thread::spawn(move || w.shutdown())
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!stepper.is_finished() && !closer.is_finished());
+    gate.open();
+    assert!(
+        matches!(stepper.join().unwrap(), Err(Error::InvalidState(m)) if m.contains("shut down"))
+    );
+    closer.join().unwrap().unwrap();
+    let mut out = Vec::new();
+    w.poll(&mut out, 16).unwrap();
+    assert_eq!(out.iter().map(|c| c.job_id).collect::<Vec<_>>(), [1]);
+    assert!(matches!(
+        w.wait(&[60], Duration::ZERO),
+        Err(Error::NotFound(_))
+    ));
+}
