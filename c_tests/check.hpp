@@ -27,9 +27,24 @@ std::string last_error() {
     return msg;
 }
 
+// With KVO_STATUS_LOG set, appends "<function> <status>" for each checked call of a kvo_
+// function to that file (tests/c_api.rs compares them with the header's docs).
+void log_status(const char *what, kvo_status got) {
+    const char *path = std::getenv("KVO_STATUS_LOG");
+    const std::size_t n = std::strspn(what, "abcdefghijklmnopqrstuvwxyz_0123456789");
+    if (path == nullptr || std::strncmp(what, "kvo_", 4) != 0 || what[n] != '(') {
+        return;
+    }
+    if (std::FILE *f = std::fopen(path, "a")) {
+        std::fprintf(f, "%.*s %d\n", static_cast<int>(n), what, static_cast<int>(got));
+        std::fclose(f);
+    }
+}
+
 #define CHECK_STATUS(call, want)                                                               \
     do {                                                                                       \
         const kvo_status st_ = (call);                                                         \
+        log_status(#call, st_);                                                                \
         if (st_ == (want)) {                                                                   \
             ++passed;                                                                          \
         } else {                                                                               \

@@ -595,6 +595,25 @@ static void test_bad_config(void) {
     bad.max_tracker_size = 0;
     CHECK_STATUS(kvo_manager_new(&bad, &m), KVO_STATUS_INVALID_ARGUMENT, "max_tracker_size");
     CHECK(m == sentinel); /* *out is not written on failure */
+
+    /* A tier whose index cannot be allocated: KVO_STATUS_OUT_OF_MEMORY naming num_slots (with
+     * heuristic overcommit, the Linux default, an allocation beyond RAM + swap is refused). */
+    FILE *f = fopen("/proc/sys/vm/overcommit_memory", "r");
+    int mode = -1;
+    if (f != NULL) {
+        if (fscanf(f, "%d", &mode) != 1) mode = -1;
+        fclose(f);
+    }
+    if (mode == 0) {
+        bad = cfg;
+        bad.key_len = KVO_MAX_KEY_LEN;
+        bad.num_slots = UINT32_MAX - 1;
+        CHECK_STATUS(kvo_manager_new(&bad, &m), KVO_STATUS_OUT_OF_MEMORY, "num_slots");
+        CHECK(strstr(last_error(), "cfg->out of memory") == NULL);
+        CHECK(m == sentinel);
+    } else {
+        printf("skipped the out-of-memory check: needs vm.overcommit_memory = 0\n");
+    }
 }
 
 /* Every bad input fails with its status, names the argument and changes nothing. The manager

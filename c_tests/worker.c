@@ -1270,8 +1270,89 @@ static void test_stores_follow_the_forward_pass(void) {
     tensor_free(&t0);
 }
 
+/* Every failed job's message is there after the poll that hands it out, however many failed;
+ * the next poll that hands out jobs replaces them. */
+static void test_many_failed_jobs(void) {
+    enum { N = 3000 };
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 31);
+    kvo_worker_config c = wcfg(1, SLOTS);
+    kvo_worker *w = NEW_WORKER(&c, &t0.t, 1, NULL);
+    int submitted = 1;
+    for (uint64_t id = 0; id < N; id++) {
+        /* KV block 999 is outside the registration. */
+        submitted &= kvo_worker_submit_job(w, id, KVO_JOB_KIND_STORE, U32S(999), U32S(0), 0, 0) ==
+                     KVO_STATUS_OK;
+    }
+    CHECK(submitted);
+    kvo_completion *done = calloc(N, sizeof *done);
+    size_t n = 0, got = 0;
+    while (got < N) {
+        CHECK_OK(kvo_worker_poll(w, done + got, N - got, &n));
+        got += n;
+        if (n == 0) break;
+    }
+    CHECK(got == N);
+    /* All in one poll: the failures are reported at the first poll after submission. */
+    CHECK(n == N);
+    int all = 1;
+    char buf[256];
+    for (size_t i = 0; i < N; i++) {
+        size_t len = 0;
+        all &= done[i].success == 0;
+        all &= kvo_worker_job_error(w, done[i].job_id, buf, sizeof buf, &len) == KVO_STATUS_OK;
+        all &= strstr(buf, "999") != NULL && len == strlen(buf);
+    }
+    CHECK(all);
+    CHECK_OK(kvo_worker_submit_job(w, N, KVO_JOB_KIND_STORE, U32S(1), U32S(0), 0, 0));
+    done_t d = WAIT_POLL(w, N);
+    CHECK_DONE(d, N, 1, PAGE0);
+    size_t len = 0;
+    CHECK_STATUS(kvo_worker_job_error(w, 0, buf, sizeof buf, &len), KVO_STATUS_NOT_FOUND,
+                 "latest poll");
+    free(done);
+    kvo_worker_free(w);
+    tensor_free(&t0);
+}
+
+/* Per-layer views into one allocation whose pages interleave without sharing a byte are
+ * accepted; views that share bytes are refused. */
+static void test_interleaved_views(void) {
+    tensor_t all = tensor_new(16, 8192, 8192, 32);
+    kvo_kv_tensor layers[2] = {all.t, all.t};
+    layers[0].page_size = layers[1].page_size = 4096;
+    layers[1].base += 4096;
+    layers[0].num_blocks = layers[1].num_blocks = 16;
+    kvo_worker_config c = wcfg(1, 4);
+    kvo_worker *w = NEW_WORKER(&c, layers, 2, NULL);
+    /* A job copies its block of every layer: 2 pages. */
+    CHECK_OK(kvo_worker_submit_job(w, 1, KVO_JOB_KIND_STORE, U32S(3), U32S(0), 0, 0));
+    CHECK_OK(kvo_worker_submit_job(w, 2, KVO_JOB_KIND_STORE, U32S(5), U32S(1), 0, 0));
+    done_t d = WAIT_POLL(w, 1, 2);
+    CHECK_DONE(d, 1, 1, 2 * 4096);
+    CHECK_DONE(d, 2, 1, 2 * 4096);
+    uint8_t *h0 = HOST_BUF(w, 0, 4 * 4096), *h1 = HOST_BUF(w, 1, 4 * 4096);
+    CHECK(bytes_are(h0, orig_block(&all, 3), 4096, "layer 0, block 3"));
+    CHECK(bytes_are(h1, orig_block(&all, 3) + 4096, 4096, "layer 1, block 3"));
+    CHECK(bytes_are(h0 + 4096, orig_block(&all, 5), 4096, "layer 0, block 5"));
+    CHECK(bytes_are(h1 + 4096, orig_block(&all, 5) + 4096, 4096, "layer 1, block 5"));
+    kvo_worker_free(w);
+
+    kvo_worker *sentinel = (kvo_worker *)&c, *out = sentinel;
+    layers[1].base -= 8; /* layer 1's pages now start in layer 0's last 8 bytes */
+    CHECK_STATUS(kvo_worker_new(&c, layers, 2, NULL, &out), KVO_STATUS_INVALID_ARGUMENT,
+                 "tensors[1] overlaps tensors[0]");
+    layers[1].base += 8;
+    layers[1].page_size = 4104; /* layer 1's pages reach into layer 0's next page */
+    CHECK_STATUS(kvo_worker_new(&c, layers, 2, NULL, &out), KVO_STATUS_INVALID_ARGUMENT,
+                 "tensors[1] overlaps tensors[0]");
+    CHECK(out == sentinel);
+    tensor_free(&all);
+}
+
 int main(void) {
     test_config_default();
+    test_many_failed_jobs();
+    test_interleaved_views();
     test_stores_follow_the_forward_pass();
     test_store_load();
     test_fifo();

@@ -9,8 +9,11 @@
 #include <stdint.h>
 /*
  * Thread-safety: every function may be called from any thread. Each handle serializes its own
- * calls. kvo_*_free must not race with any other call on the same handle. The library never calls
- * back into the host from its own threads: completions are polled.
+ * calls, except that a thread blocked waiting for a worker's jobs (kvo_worker_wait, the flush of
+ * kvo_worker_submit_step, a synchronous kvo_worker_swap_blocks, kvo_worker_shutdown) does not
+ * block other calls on that worker. kvo_*_free must not race with any other call on the same
+ * handle. The library never calls back into the host from its own threads: completions are
+ * polled.
  *
  * Errors: every fallible function returns a kvo_status; KVO_STATUS_OK is 0. Outputs are written
  * only on success (KVO_STATUS_BUFFER_TOO_SMALL writes the needed size). The calling thread's
@@ -348,7 +351,9 @@ typedef struct kvo_manager_config {
    */
   uint32_t store_threshold;
   /**
-   * Non-zero: buffer events for `kvo_manager_take_events` (default 0).
+   * Non-zero: buffer events for `kvo_manager_take_events` (default 0). The buffer holds at most
+   * max(4 * num_slots, 65536) keys: beyond that the oldest events are dropped (counted in
+   * `kvo_manager_stats.events_dropped`); the newest event is always kept whole.
    */
   uint32_t enable_events;
   /**
@@ -428,6 +433,11 @@ typedef struct kvo_manager_stats {
    * Keys evicted (cumulative).
    */
   uint64_t evictions;
+  /**
+   * Events dropped, oldest first, because the event buffer was full (cumulative; see
+   * `kvo_manager_config.enable_events`).
+   */
+  uint64_t events_dropped;
 } kvo_manager_stats;
 
 /**
@@ -471,7 +481,8 @@ typedef struct kvo_scheduler_config {
    */
   uint32_t store_threshold;
   /**
-   * Non-zero: buffer events for `kvo_scheduler_take_events` (default 0).
+   * Non-zero: buffer events for `kvo_scheduler_take_events` (default 0), bounded as the
+   * manager's (`kvo_manager_config.enable_events`).
    */
   uint32_t enable_events;
   /**
@@ -943,6 +954,11 @@ kvo_status kvo_manager_complete_load(struct kvo_manager *m,
  * `*out_n_store`); `KVO_STATUS_NO_ROOM` when not enough can be evicted now (a normal answer:
  * retry on a later step). On any failure nothing changes.
  *
+ * With `KVO_POLICY_ARC`, `KVO_STATUS_NO_ROOM` can come while `kvo_manager_stats.evictable` is at
+ * least the number of slots needed: like vLLM 0.24's ARC (deliberately copied, so that replays
+ * match), eviction scans T1 only while T1 holds at least `int(target)` entries and takes the rest
+ * from T2, so evictable keys left in T1 below that size are not taken.
+ *
  * # Safety
  * `keys` is NULL or `n_keys * key_len` readable bytes; outputs NULL or writable as described.
  */
@@ -996,7 +1012,9 @@ kvo_status kvo_manager_complete_store_at(struct kvo_manager *m,
 
 /**
  * Takes the buffered events (oldest first): writes `*out_n_events` records to `out_events` and
- * their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes).
+ * their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes). The buffer is
+ * bounded (see `kvo_manager_config.enable_events`): events not taken in time are dropped, oldest
+ * first, and counted in `kvo_manager_stats.events_dropped`.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_BUFFER_TOO_SMALL` if
  * `events_cap` or `keys_cap` (in keys) is too small: then the needed counts are written to
@@ -1422,8 +1440,9 @@ KVO_NODISCARD kvo_status kvo_worker_config_default(struct kvo_worker_config *out
  * config (struct_size, zero factor or slots, unknown backend), an empty, overlapping, misaligned
  * or zero-sized registration, device tensors with the host backend, or a host buffer too small;
  * `KVO_STATUS_CUDA_UNAVAILABLE` / `KVO_STATUS_CUDA_ERROR` for the CUDA backend without a
- * usable driver or device; `KVO_STATUS_OUT_OF_MEMORY` if the host tier cannot be allocated;
- * `KVO_STATUS_IO_ERROR` if page-locking or threads cannot be had.
+ * usable driver or device; `KVO_STATUS_OUT_OF_MEMORY` if the host tier cannot be allocated or is
+ * larger than the machine's memory (checked before any memory is touched); `KVO_STATUS_IO_ERROR`
+ * if threads cannot be had. On failure everything allocated or page-locked is released.
  *
  * # Safety
  * `cfg` NULL or `cfg->struct_size` readable bytes; `tensors` NULL or `n_tensors` entries;
@@ -1479,12 +1498,13 @@ kvo_status kvo_worker_submit_job(struct kvo_worker *w,
  * `kvo_worker_submit_step`, by `kvo_worker_submit_stores`, or by a `kvo_worker_wait` naming one
  * of them (vLLM 0.24 likewise submits step N's stores at step N + 1). `compute_stream` (CUDA) is
  * the stream the forward pass runs on: deferred stores start after the work queued on it when
- * they are submitted. When it returns, the forward pass may run.
+ * they are submitted. When it returns, the forward pass may run. The plan's job ids are in use
+ * from the start of the call; other calls on the worker proceed while it waits.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if the plan's
  * block_size_factor differs from the worker's; `KVO_STATUS_INVALID_STATE` if a job id is in use
- * or repeated in the plan, or after shutdown (then nothing is submitted); `KVO_STATUS_CUDA_ERROR`
- * if the driver fails while waiting.
+ * or repeated in the plan, or when the worker is shut down before or during the wait (then
+ * nothing is submitted); `KVO_STATUS_CUDA_ERROR` if the driver fails while waiting.
  *
  * # Safety
  * `w`, `step` NULL or live.
@@ -1528,11 +1548,14 @@ kvo_status kvo_worker_poll(struct kvo_worker *w,
                            size_t *out_n);
 
 /**
- * Copies the message of a failed job handed out by `kvo_worker_poll` (the last 1024 are kept)
- * into `buf` (NUL-terminated, truncated) and writes its full length to `*out_len`.
+ * Copies the message of a failed job into `buf` (NUL-terminated, truncated) and writes its full
+ * length to `*out_len`. A failed job's message is kept with its completion until
+ * `kvo_worker_poll` hands the completion out, and then until the next `kvo_worker_poll` that
+ * hands out any job: read the messages of a poll's failed jobs before polling again (however
+ * many failed).
  *
- * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` if no message is
- * kept for `job_id`.
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` if `job_id` is not
+ * a failed job of the latest poll that handed out jobs.
  *
  * # Safety
  * `w` NULL or live; `buf` NULL or `len` writable bytes; `out_len` NULL or writable.
@@ -1547,8 +1570,9 @@ kvo_status kvo_worker_job_error(const struct kvo_worker *w,
 /**
  * Blocks until every listed job has finished, or `timeout_ms` passes. Naming a store deferred
  * by `kvo_worker_submit_step` submits the deferred stores first (so wait only once the step's
- * forward pass has been issued). Completions remain to be polled. (`kvo_worker_submit_step`
- * already waits for a plan's flush set.)
+ * forward pass has been issued). Completions remain to be polled; a job handed out by another
+ * thread's `kvo_worker_poll` meanwhile counts as finished. Other calls on the worker proceed
+ * while it waits. (`kvo_worker_submit_step` already waits for a plan's flush set.)
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an id never
  * submitted or already handed out by `kvo_worker_poll`; `KVO_STATUS_TIMEOUT`;
@@ -1566,10 +1590,14 @@ kvo_status kvo_worker_wait(struct kvo_worker *w,
 /**
  * Copies block `src_blocks[i]` of tensor `src_tensor` to block `dst_blocks[i]` of tensor
  * `dst_tensor` (indices into the registration; equal page sizes). With `as_job` non-zero the copy
- * is queued as job `job_id` and reported by `kvo_worker_poll`; otherwise it runs now.
+ * is queued as job `job_id` and reported by `kvo_worker_poll`; otherwise it runs now and the call
+ * returns when it is done.
  *
- * The copies have no order among themselves, so within one tensor a block may not be both a
- * source and a destination.
+ * Either way the copy is queued behind the jobs already submitted in its direction (a destination
+ * tensor in device memory: behind the loads; in host memory: behind the stores), so a synchronous
+ * swap also waits for those. Other calls on the worker proceed while it waits. The copies have
+ * no order among themselves, so within one tensor a block may not be both a source and a
+ * destination.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for tensor
  * indices, block ids or page sizes that do not fit, or a block both read and written;
@@ -1606,8 +1634,9 @@ kvo_status kvo_worker_get_host_buffer(const struct kvo_worker *w,
                                       size_t *out_len);
 
 /**
- * Finishes every job in flight, then refuses new submissions (`KVO_STATUS_INVALID_STATE`).
- * Completions stay pollable.
+ * Refuses new submissions from now on (`KVO_STATUS_INVALID_STATE`), then blocks until every job
+ * in flight has finished. Other calls on the worker (polls) proceed while it waits. Completions
+ * stay pollable.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_CUDA_ERROR`.
  *

@@ -119,8 +119,11 @@ fn build_and_run(source: &str) -> String {
     };
     // Cargo puts target/<profile> on LD_LIBRARY_PATH, which beats the binary's RUNPATH: load the
     // library this test linked, not a stale copy from an earlier `cargo build`.
+    let log = dir.join("statuses.log");
+    let _ = std::fs::remove_file(&log);
     let out = run
         .env("LD_LIBRARY_PATH", &lib)
+        .env("KVO_STATUS_LOG", &log)
         .output()
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", exe.display()));
     assert!(
@@ -128,11 +131,159 @@ fn build_and_run(source: &str) -> String {
         "{}",
         describe(&format!("{source} failed"), &out)
     );
+    let observed = std::fs::read_to_string(&log).unwrap_or_default();
+    let checks_statuses = std::fs::read_to_string(&src)
+        .is_ok_and(|text| text.contains("CHECK_STATUS(kvo_") || text.contains("CHECK_OK(kvo_"));
+    assert!(
+        !checks_statuses || observed.lines().count() > 10,
+        "{source}: the checked statuses were not logged to {}",
+        log.display()
+    );
+    check_observed_statuses(source, &observed);
     // Kept on failure (the asserts above), for a look with a debugger.
     let _ = std::fs::remove_dir_all(&dir);
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     println!("{source}: {}", stdout.trim_end());
     stdout
+}
+
+/// The statuses each function's doc comment in the header lists (`KVO_STATUS_*` names), with
+/// those of the function whose contract it refers to ("As for `kvo_x`", "same contract as
+/// `kvo_x`"); and the value of each status name.
+struct DocumentedStatuses {
+    by_function: std::collections::HashMap<String, Vec<String>>,
+    names: std::collections::HashMap<i32, String>,
+}
+
+fn documented_statuses() -> DocumentedStatuses {
+    let header = std::fs::read_to_string(format!("{CRATE_DIR}/include/kvoffload.h")).unwrap();
+    let statuses_in = |text: &str| -> Vec<String> {
+        let mut v: Vec<String> = text
+            .match_indices("KVO_STATUS_")
+            .map(|(i, _)| {
+                let rest = &text[i..];
+                let end = rest
+                    .find(|c: char| !(c.is_ascii_uppercase() || c == '_'))
+                    .unwrap_or(rest.len());
+                rest[..end].to_owned()
+            })
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    let mut names = std::collections::HashMap::new();
+    for line in header.lines() {
+        let t = line.trim();
+        if let Some((name, value)) = t
+            .strip_prefix("KVO_STATUS_")
+            .and_then(|r| r.split_once(" = "))
+        {
+            let value: i32 = value.trim_end_matches(',').parse().expect("status value");
+            names.insert(value, format!("KVO_STATUS_{name}"));
+        }
+    }
+    // Each doc comment `/** ... */` and the declaration after it, up to its `;`.
+    let mut by_function = std::collections::HashMap::new();
+    let mut refers = Vec::new();
+    let mut rest = header.as_str();
+    while let Some(start) = rest.find("/**") {
+        let Some(len) = rest[start..].find("*/") else {
+            break;
+        };
+        let doc = &rest[start..start + len];
+        let after = &rest[start + len + 2..];
+        let decl = &after[..after.find([';', '{']).unwrap_or(after.len())];
+        rest = after;
+        if !decl.contains("kvo_status kvo_") {
+            continue;
+        }
+        let name = decl[decl.find("kvo_status kvo_").unwrap() + "kvo_status ".len()..]
+            .split('(')
+            .next()
+            .unwrap()
+            .trim()
+            .to_owned();
+        for marker in ["As for `", "same contract as `"] {
+            if let Some(i) = doc.find(marker) {
+                let other = doc[i + marker.len()..]
+                    .split('`')
+                    .next()
+                    .unwrap()
+                    .to_owned();
+                refers.push((name.clone(), other));
+            }
+        }
+        by_function.insert(name, statuses_in(doc));
+    }
+    for (name, other) in refers {
+        let inherited = by_function.get(&other).cloned().unwrap_or_default();
+        by_function.get_mut(&name).unwrap().extend(inherited);
+    }
+    DocumentedStatuses { by_function, names }
+}
+
+/// Every `(function, status)` a test program observed (its `KVO_STATUS_LOG` lines) is one that
+/// the function's doc comment lists (`KVO_STATUS_PANIC` is documented once, for every call, at
+/// the top of the header).
+fn check_observed_statuses(source: &str, log: &str) {
+    let docs = documented_statuses();
+    let mut wrong = Vec::new();
+    for line in log.lines() {
+        let (function, status) = line.split_once(' ').expect("log line: <function> <status>");
+        let status: i32 = status.parse().expect("status number");
+        let name = docs
+            .names
+            .get(&status)
+            .cloned()
+            .unwrap_or_else(|| format!("unknown status {status}"));
+        let listed = docs
+            .by_function
+            .get(function)
+            .is_some_and(|v| v.contains(&name));
+        if !listed && name != "KVO_STATUS_PANIC" && !wrong.contains(&(function, name.clone())) {
+            wrong.push((function, name));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{source}: statuses returned that the header's docs do not list: {wrong:?}"
+    );
+}
+
+/// Every function returning `kvo_status` lists in its doc comment the statuses it returns
+/// (at least `KVO_STATUS_OK`, or the contract of another function it refers to).
+#[test]
+fn every_fallible_function_documents_its_statuses() {
+    let docs = documented_statuses();
+    assert!(
+        docs.by_function.len() > 40,
+        "{} functions",
+        docs.by_function.len()
+    );
+    assert_eq!(
+        docs.names.get(&0).map(String::as_str),
+        Some("KVO_STATUS_OK")
+    );
+    let undocumented: Vec<&String> = docs
+        .by_function
+        .iter()
+        .filter(|(_, v)| !v.iter().any(|s| s == "KVO_STATUS_OK"))
+        .map(|(f, _)| f)
+        .collect();
+    assert!(
+        undocumented.is_empty(),
+        "no statuses listed: {undocumented:?}"
+    );
+    // The checker itself: a status no doc of kvo_step_new lists is refused.
+    let refused = std::panic::catch_unwind(|| {
+        check_observed_statuses("self-test", "kvo_step_new 5\n");
+    });
+    assert!(
+        refused.is_err(),
+        "KVO_STATUS_NO_ROOM is not a status of kvo_step_new"
+    );
+    check_observed_statuses("self-test", "kvo_step_new 0\nkvo_step_new 1\n");
 }
 
 /// The summary line of a program that reports `N passed, M failed`.

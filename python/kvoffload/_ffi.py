@@ -306,6 +306,7 @@ class kvo_manager_stats(ctypes.Structure):
         ("hits", c_uint64),
         ("stores_skipped", c_uint64),
         ("evictions", c_uint64),
+        ("events_dropped", c_uint64),
     ]
 
 

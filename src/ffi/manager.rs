@@ -43,7 +43,9 @@ pub struct kvo_manager_config {
     pub num_slots: u64,
     /// When >= 2, a key is stored only after this many lookups (default 0: off).
     pub store_threshold: u32,
-    /// Non-zero: buffer events for `kvo_manager_take_events` (default 0).
+    /// Non-zero: buffer events for `kvo_manager_take_events` (default 0). The buffer holds at most
+    /// max(4 * num_slots, 65536) keys: beyond that the oldest events are dropped (counted in
+    /// `kvo_manager_stats.events_dropped`); the newest event is always kept whole.
     pub enable_events: u32,
     /// Keys the store-threshold filter tracks, >= 1 (default 64000).
     pub max_tracker_size: u64,
@@ -75,6 +77,9 @@ pub struct kvo_manager_stats {
     pub stores_skipped: u64,
     /// Keys evicted (cumulative).
     pub evictions: u64,
+    /// Events dropped, oldest first, because the event buffer was full (cumulative; see
+    /// `kvo_manager_config.enable_events`).
+    pub events_dropped: u64,
 }
 
 impl From<ManagerStats> for kvo_manager_stats {
@@ -91,6 +96,7 @@ impl From<ManagerStats> for kvo_manager_stats {
             hits: s.hits,
             stores_skipped: s.stores_skipped,
             evictions: s.evictions,
+            events_dropped: s.events_dropped,
         }
     }
 }
@@ -395,6 +401,11 @@ pub unsafe extern "C" fn kvo_manager_complete_load(
 /// `*out_n_store`); `KVO_STATUS_NO_ROOM` when not enough can be evicted now (a normal answer:
 /// retry on a later step). On any failure nothing changes.
 ///
+/// With `KVO_POLICY_ARC`, `KVO_STATUS_NO_ROOM` can come while `kvo_manager_stats.evictable` is at
+/// least the number of slots needed: like vLLM 0.24's ARC (deliberately copied, so that replays
+/// match), eviction scans T1 only while T1 holds at least `int(target)` entries and takes the rest
+/// from T2, so evictable keys left in T1 below that size are not taken.
+///
 /// # Safety
 /// `keys` is NULL or `n_keys * key_len` readable bytes; outputs NULL or writable as described.
 #[unsafe(no_mangle)]
@@ -491,7 +502,9 @@ pub unsafe extern "C" fn kvo_manager_complete_store_at(
 }
 
 /// Takes the buffered events (oldest first): writes `*out_n_events` records to `out_events` and
-/// their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes).
+/// their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes). The buffer is
+/// bounded (see `kvo_manager_config.enable_events`): events not taken in time are dropped, oldest
+/// first, and counted in `kvo_manager_stats.events_dropped`.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_BUFFER_TOO_SMALL` if
 /// `events_cap` or `keys_cap` (in keys) is too small: then the needed counts are written to

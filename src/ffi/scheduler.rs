@@ -61,7 +61,8 @@ pub struct kvo_scheduler_config {
     pub offload_prompt_only: u32,
     /// When >= 2, a chunk is stored only after this many lookups (default 0: off).
     pub store_threshold: u32,
-    /// Non-zero: buffer events for `kvo_scheduler_take_events` (default 0).
+    /// Non-zero: buffer events for `kvo_scheduler_take_events` (default 0), bounded as the
+    /// manager's (`kvo_manager_config.enable_events`).
     pub enable_events: u32,
     /// Keys the store-threshold filter tracks, >= 1 (default 64000).
     pub max_tracker_size: u64,
