@@ -7,11 +7,13 @@ pub mod cuda;
 pub mod host;
 pub mod layout;
 pub mod plan;
+pub mod stats;
 pub mod worker;
 
 pub use backend::{Backend, Completion, CopyDesc, Direction};
 pub use layout::KvTensor;
 pub use plan::JobBlocks;
+pub use stats::{DirectionStats, SIZE_BUCKET_BOUNDS, SIZE_BUCKETS, WorkerStats};
 pub use worker::{BackendKind, Worker, WorkerConfig};
 
 #[cfg(test)]

@@ -6,9 +6,10 @@ use super::backend::{Backend, Completion, CopyDesc, Direction};
 use super::host::HostBackend;
 use super::layout::{self, HostBuffer, KvTensor};
 use super::plan::{JobBlocks, plan_job, push_merged};
+use super::stats::WorkerStats;
 use crate::error::{Error, Result, invalid};
 use crate::scheduler::{JobKind, Step};
-use hashbrown::HashSet;
+use hashbrown::{HashMap, HashSet};
 use std::collections::VecDeque;
 use std::time::Duration;
 
@@ -52,8 +53,10 @@ pub struct Worker {
     /// Declared before `host`: fields drop in order, so copies finish before buffers are freed.
     backend: Box<dyn Backend>,
     host: Vec<HostBuffer>,
-    /// Jobs submitted and not yet reported by `poll`.
-    known: HashSet<u64>,
+    /// Jobs submitted and not yet reported by `poll`, with their direction.
+    known: HashMap<u64, Direction>,
+    /// Counters of the jobs reported.
+    stats: WorkerStats,
     /// Completions to report at the next poll (failed submissions, swaps' neighbours).
     ready: VecDeque<Completion>,
     scratch: Vec<Completion>,
@@ -125,7 +128,8 @@ impl Worker {
             kv: tensors.to_vec(),
             host,
             backend,
-            known: HashSet::new(),
+            known: HashMap::new(),
+            stats: WorkerStats::default(),
             ready: VecDeque::new(),
             scratch: Vec::new(),
             scratch_ids: HashSet::new(),
@@ -151,7 +155,7 @@ impl Worker {
         if self.shut_down {
             return Err(Error::InvalidState("worker is shut down".into()));
         }
-        if self.known.contains(&job_id) {
+        if self.known.contains_key(&job_id) {
             return Err(Error::InvalidState(format!(
                 "job_id: {job_id} is already submitted"
             )));
@@ -179,7 +183,7 @@ impl Worker {
         } else {
             Direction::ToHost
         };
-        self.known.insert(job_id);
+        self.known.insert(job_id, dir);
         let submitted = planned.and_then(|bytes| {
             self.backend
                 .submit(job_id, dir, &self.descs, compute_stream)
@@ -256,7 +260,9 @@ impl Worker {
         self.collect()?;
         let n = max.min(self.ready.len());
         for c in self.ready.drain(..n) {
-            self.known.remove(&c.job_id);
+            if let Some(dir) = self.known.remove(&c.job_id) {
+                self.stats.direction(dir).record(&c);
+            }
             out.push(c);
         }
         Ok(())
@@ -277,7 +283,7 @@ impl Worker {
         if let Some((i, id)) = job_ids
             .iter()
             .enumerate()
-            .find(|(_, id)| !self.known.contains(*id))
+            .find(|(_, id)| !self.known.contains_key(*id))
         {
             return Err(Error::NotFound(format!(
                 "job_ids[{i}]: {id} is not in flight"
@@ -336,7 +342,7 @@ impl Worker {
         let id = job_id.unwrap_or_else(|| {
             (0..=u64::MAX)
                 .rev()
-                .find(|i| !self.known.contains(i))
+                .find(|i| !self.known.contains_key(i))
                 .unwrap_or(0)
         });
         self.check_new_id(id)?;
@@ -357,7 +363,7 @@ impl Worker {
             Direction::ToHost
         };
         self.backend.submit(id, dir, &self.descs, 0)?;
-        self.known.insert(id);
+        self.known.insert(id, dir);
         if job_id.is_none() {
             self.backend.wait(&[id], Duration::MAX)?;
             self.collect()?;
@@ -366,6 +372,7 @@ impl Worker {
                 Error::Internal(format!("swap {id} finished but was not reported"))
             })?;
             self.known.remove(&id);
+            self.stats.direction(dir).record(&done);
             if !done.success {
                 return Err(Error::Cuda(done.error.unwrap_or_default()));
             }
@@ -373,9 +380,17 @@ impl Worker {
         Ok(())
     }
 
+    /// The counters of the jobs reported so far, and the jobs in flight now.
+    pub fn stats(&self) -> WorkerStats {
+        WorkerStats {
+            jobs_in_flight: self.known.len() as u64,
+            ..self.stats
+        }
+    }
+
     /// Finishes every job in flight, then refuses new submissions. Completions stay pollable.
     pub fn shutdown(&mut self) -> Result<()> {
-        let ids: Vec<u64> = self.known.iter().copied().collect();
+        let ids: Vec<u64> = self.known.keys().copied().collect();
         self.backend.wait(&ids, Duration::MAX)?;
         self.shut_down = true;
         Ok(())
@@ -384,7 +399,7 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        let ids: Vec<u64> = self.known.iter().copied().collect();
+        let ids: Vec<u64> = self.known.keys().copied().collect();
         let _ = self.backend.wait(&ids, Duration::MAX);
         for h in &self.host {
             let _ = self.backend.unregister_host(h.raw().0);
