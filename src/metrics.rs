@@ -330,8 +330,14 @@ pub fn manager_text(naming: &Naming, s: &ManagerStats, out: &mut String) -> Resu
     f.render(out)
 }
 
-/// Appends a scheduler's metrics, its tier's (the manager's) included, to `out`.
+/// Appends a scheduler's metrics, its tier's (the manager's) included, to `out`. Fails for a
+/// constant label named `reason` (the label of `deferred_matches_total`).
 pub fn scheduler_text(naming: &Naming, s: &SchedulerStats, out: &mut String) -> Result<()> {
+    if let Some(i) = naming.labels.iter().position(|l| l.name() == "reason") {
+        return Err(Error::InvalidArgument(format!(
+            "labels[{i}].name: \"reason\" is the label of deferred_matches_total"
+        )));
+    }
     let mut f = Families::new(naming);
     f.scheduler(s);
     f.render(out)

@@ -648,7 +648,8 @@ pub unsafe extern "C" fn kvo_scheduler_get_stats(
 /// Renders the scheduler's counters and gauges in the Prometheus text exposition format (0.0.4) into `buf`: every
 /// metric named `<prefix>_<name>` (`prefix` may be empty: then `<name>`), every sample with the
 /// `n_labels` constant labels, in order. README.md lists the metrics. They include its tier's (the
-/// manager metrics): do not render that tier again. Writes the
+/// manager metrics): do not render that tier again. A constant label may not be named
+/// `reason` (`deferred_matches_total` has it). Writes the
 /// text NUL-terminated and its length without the NUL to `*out_len`.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle, `prefix`, `out_len`,
