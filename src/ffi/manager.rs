@@ -1,12 +1,12 @@
 //! `kvo_manager_*`: the offload tier index ([`crate::manager::Manager`]) behind a C handle.
 
 use super::metrics::{kvo_label, naming, write_text};
-use std::ffi::c_char;
 use super::{
     Failure, FfiResult, copy_events, free_handle, give, guard, handle, kvo_status, lock, non_null,
     read_config, slice, slice_mut, write, write_sized,
 };
 use crate::manager::{Lookup, Manager, ManagerConfig, ManagerStats, Policy};
+use std::ffi::c_char;
 use std::sync::Mutex;
 
 /// Eviction policies (values of `kvo_manager_config.policy`).

@@ -1,8 +1,7 @@
 //! `kvo_scheduler_*`: the connector scheduler ([`crate::scheduler::Scheduler`]) behind a C handle.
 
-use super::metrics::{kvo_label, naming, write_text};
-use std::ffi::c_char;
 use super::manager::policy_from;
+use super::metrics::{kvo_label, naming, write_text};
 use super::{
     Failure, copy_events, free_handle, give, guard, handle, kvo_event, kvo_manager_stats,
     kvo_status, kvo_step, lock, non_null, read_config, slice, write, write_sized,
@@ -10,6 +9,7 @@ use super::{
 use crate::scheduler::{
     DeferReason, JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig,
 };
+use std::ffi::c_char;
 use std::sync::{Mutex, MutexGuard};
 
 /// "No limit" for `max_offload_tokens`.

@@ -624,7 +624,8 @@ fn stats_count_reported_jobs_per_direction() {
         dst,
         block_index: 0,
     };
-    w.submit(1, &job(JobKind::Store, &[0, 1], &[0, 1]), 0).unwrap();
+    w.submit(1, &job(JobKind::Store, &[0, 1], &[0, 1]), 0)
+        .unwrap();
     w.submit(2, &job(JobKind::Store, &[9], &[2]), 0).unwrap(); // block 9 of 8: fails
     w.submit(3, &job(JobKind::Load, &[0], &[5]), 0).unwrap();
     assert_eq!(w.stats().jobs_in_flight, 3);
@@ -639,11 +640,21 @@ fn stats_count_reported_jobs_per_direction() {
     assert_eq!(out.len(), 3);
     let s = w.stats();
     assert_eq!(s.jobs_in_flight, 0);
-    assert_eq!((s.store.jobs, s.store.failed_jobs, s.store.bytes), (2, 1, 8192));
-    assert_eq!((s.load.jobs, s.load.failed_jobs, s.load.bytes), (1, 0, 4096));
+    assert_eq!(
+        (s.store.jobs, s.store.failed_jobs, s.store.bytes),
+        (2, 1, 8192)
+    );
+    assert_eq!(
+        (s.load.jobs, s.load.failed_jobs, s.load.bytes),
+        (1, 0, 4096)
+    );
     assert!(s.store.seconds >= 0.0 && s.load.seconds >= 0.0);
     assert_eq!(s.store.size_buckets[0], 1, "8 KiB: the first bucket");
-    assert_eq!(s.store.size_buckets.iter().sum::<u64>(), 1, "failed jobs: no size");
+    assert_eq!(
+        s.store.size_buckets.iter().sum::<u64>(),
+        1,
+        "failed jobs: no size"
+    );
     assert_eq!(s.load.size_buckets[0], 1);
     // A synchronous swap into a host tensor counts as a store when it finishes.
     w.swap_blocks(0, 0, &[2], &[3], None).unwrap();
