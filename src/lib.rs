@@ -10,6 +10,7 @@ pub mod error;
 pub mod ffi;
 pub mod manager;
 pub mod metrics;
+pub mod plan;
 pub mod replay;
 pub mod scheduler;
 pub mod transfer;

@@ -215,6 +215,14 @@ fn worker_api_from_cxx() {
     }
 }
 
+/// An aborted request's queued load must not overwrite the KV of the request that reuses its
+/// GPU blocks (checked on the bytes).
+#[test]
+fn abort_while_loading_keeps_the_reusing_requests_kv() {
+    let out = build_and_run("c_tests/abort_race.c");
+    assert_all_passed("abort_race.c", &out);
+}
+
 #[test]
 fn worker_api_from_c() {
     let out = build_and_run("c_tests/worker.c");

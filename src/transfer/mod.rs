@@ -3,16 +3,16 @@
 //! direction). Knows nothing about prefixes or eviction.
 
 pub mod backend;
+pub mod copy_plan;
 pub mod cuda;
 pub mod host;
 pub mod layout;
-pub mod plan;
 pub mod stats;
 pub mod worker;
 
-pub use backend::{Backend, Completion, CopyDesc, Direction};
+pub use backend::{Backend, Completion, CopyDesc};
+pub use copy_plan::JobBlocks;
 pub use layout::KvTensor;
-pub use plan::JobBlocks;
 pub use stats::{DirectionStats, SIZE_BUCKET_BOUNDS, SIZE_BUCKETS, WorkerStats};
 pub use worker::{BackendKind, Worker, WorkerConfig};
 

@@ -1,7 +1,8 @@
 //! A worker's counters: per direction, the jobs finished and failed, the bytes and copy time of
 //! the jobs that succeeded, and a histogram of their sizes on vLLM's buckets.
 
-use super::backend::{Completion, Direction};
+use super::backend::Completion;
+use crate::plan::Direction;
 
 /// Upper bounds in bytes of the transfer-size buckets (vLLM's `kv_offload_load_size` and
 /// `kv_offload_store_size` buckets); one more bucket takes every larger job.
@@ -73,8 +74,8 @@ impl WorkerStats {
     /// The counters of direction `dir`.
     pub fn direction(&mut self, dir: Direction) -> &mut DirectionStats {
         match dir {
-            Direction::ToKv => &mut self.load,
-            Direction::ToHost => &mut self.store,
+            Direction::Load => &mut self.load,
+            Direction::Store => &mut self.store,
         }
     }
 }
