@@ -12,8 +12,9 @@ static_assert(std::is_nothrow_move_assignable_v<kvo::Worker>, "movable");
 static_assert(std::is_constructible_v<kvo::Keys, std::vector<std::uint8_t> &>, "from a vector");
 static_assert(std::is_constructible_v<kvo::Span<const std::uint32_t>, const std::uint32_t (&)[3]>,
               "from an array");
-static_assert(!std::is_constructible_v<kvo::Span<std::uint32_t>, const std::vector<std::uint32_t> &>,
-              "no mutable span over const data");
+static_assert(
+    !std::is_constructible_v<kvo::Span<std::uint32_t>, const std::vector<std::uint32_t> &>,
+    "no mutable span over const data");
 #if KVO_HPP_EXCEPTIONS
 static_assert(std::is_base_of_v<std::runtime_error, kvo::Error>, "kvo::Error is an exception");
 #endif

@@ -14,7 +14,14 @@ import unittest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 import kvoffload  # noqa: E402
-from kvoffload import InvalidArgumentError, JobKind, KvTensor, Manager, Scheduler, Worker  # noqa: E402
+from kvoffload import (  # noqa: E402
+    InvalidArgumentError,
+    JobKind,
+    KvTensor,
+    Manager,
+    Scheduler,
+    Worker,
+)
 
 try:
     from prometheus_client.core import CollectorRegistry, Metric
