@@ -26,33 +26,32 @@ pub struct Naming {
 }
 
 impl Naming {
-    /// Checks `prefix` and `labels` (name, value pairs, kept in this order).
+    /// Checks `prefix` and `labels` (name, value pairs, kept in this order). The names are
+    /// checked by the `prometheus` crate's descriptor rules.
     pub fn new(prefix: &str, labels: &[(&str, &str)]) -> Result<Self> {
-        let mut names = HashMap::new();
-        for (i, &(name, value)) in labels.iter().enumerate() {
-            if name == "le" {
-                return Err(Error::InvalidArgument(format!(
-                    "labels[{i}].name: \"le\" is reserved for histogram buckets"
-                )));
-            }
-            if names.insert(name.to_owned(), value.to_owned()).is_some() {
-                return Err(Error::InvalidArgument(format!(
-                    "labels[{i}].name: \"{name}\" is given twice"
-                )));
-            }
-        }
         let probe = if prefix.is_empty() {
             "x".to_owned()
         } else {
             format!("{prefix}_x")
         };
-        if let Err(e) = Desc::new(probe, "probe".into(), Vec::new(), names) {
-            let which = if e.to_string().contains("label name") {
-                "labels"
-            } else {
-                "prefix"
-            };
-            return Err(Error::InvalidArgument(format!("{which}: {e}")));
+        if let Err(e) = Desc::new(probe, "x".into(), Vec::new(), HashMap::new()) {
+            return Err(Error::InvalidArgument(format!("prefix: \"{prefix}\": {e}")));
+        }
+        for (i, &(name, _)) in labels.iter().enumerate() {
+            let one = HashMap::from([(name.to_owned(), String::new())]);
+            if let Err(e) = Desc::new("x".into(), "x".into(), Vec::new(), one) {
+                return Err(Error::InvalidArgument(format!("labels[{i}].name: {e}")));
+            }
+            if name == "le" {
+                return Err(Error::InvalidArgument(format!(
+                    "labels[{i}].name: \"le\" is reserved for histogram buckets"
+                )));
+            }
+            if labels[..i].iter().any(|&(n, _)| n == name) {
+                return Err(Error::InvalidArgument(format!(
+                    "labels[{i}].name: \"{name}\" is given twice"
+                )));
+            }
         }
         let labels = labels
             .iter()
@@ -363,8 +362,8 @@ mod tests {
             ("a-b", &[][..], "prefix"),
             ("ok", &[("le", "1")][..], "labels[0].name"),
             ("ok", &[("a", "1"), ("a", "2")][..], "labels[1].name"),
-            ("ok", &[("a:b", "1")][..], "labels"),
-            ("ok", &[("", "1")][..], "labels"),
+            ("ok", &[("a:b", "1")][..], "labels[0].name"),
+            ("ok", &[("a", "1"), ("", "1")][..], "labels[1].name"),
         ] {
             let e = Naming::new(prefix, labels).err().expect(what);
             assert!(e.to_string().starts_with(what), "{what}: {e}");
