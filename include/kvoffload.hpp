@@ -50,7 +50,7 @@ public:
     constexpr Span(T *data, std::size_t size) noexcept : data_(data), size_(size) {}
     template <std::size_t N>
     constexpr Span(T (&array)[N]) noexcept : data_(array), size_(N) {}
-    /// Any contiguous container with data() and size(): std::vector, std::array, std::string,
+    /// Any contiguous container whose data() converts to T*: std::vector, std::array,
     /// std::span.
     template <class C,
               class = std::enable_if_t<
