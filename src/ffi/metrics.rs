@@ -58,7 +58,8 @@ pub(crate) unsafe fn naming(
 /// `KVO_STATUS_BUFFER_TOO_SMALL`.
 ///
 /// # Safety
-/// `buf` is NULL or `cap` writable bytes; `out_len` was checked for NULL.
+/// `buf` is NULL or `cap` writable bytes; `out_len` is non-NULL (checked by the caller) and
+/// writable.
 pub(crate) unsafe fn write_text(
     text: &str,
     buf: *mut c_char,
@@ -66,7 +67,8 @@ pub(crate) unsafe fn write_text(
     out_len: *mut usize,
 ) -> FfiResult {
     if cap <= text.len() {
-        write(out_len, text.len());
+        // SAFETY: `out_len` is non-NULL and writable (the caller's contract).
+        unsafe { write(out_len, text.len()) };
         return Err(Failure::new(
             kvo_status::BufferTooSmall,
             format!(
@@ -78,6 +80,7 @@ pub(crate) unsafe fn write_text(
     // SAFETY: forwarded from the caller.
     let out = unsafe { slice_mut(buf as *mut u8, cap, "buf") }?;
     copy_c_string(text, out);
-    write(out_len, text.len());
+    // SAFETY: as above.
+    unsafe { write(out_len, text.len()) };
     Ok(())
 }
