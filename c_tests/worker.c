@@ -1349,6 +1349,116 @@ static void test_interleaved_views(void) {
     tensor_free(&all);
 }
 
+/* 11. Stats per direction and the Prometheus text: values, labels, and the argument checks. */
+static void test_stats_and_metrics(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 11);
+    tensor_t t1 = tensor_new(NBLOCKS, STRIDE1, PAGE1, 12);
+    const kvo_kv_tensor ts[2] = {t0.t, t1.t};
+    kvo_worker_config c = wcfg(1, SLOTS);
+    kvo_worker *w = NEW_WORKER(&c, ts, 2, NULL);
+
+    kvo_worker_stats st;
+    memset(&st, 0xAB, sizeof st);
+    st.struct_size = sizeof st;
+    CHECK_OK(kvo_worker_get_stats(w, &st));
+    CHECK(st.struct_size == sizeof st && st.load.jobs == 0 && st.store.bytes == 0 &&
+          st.jobs_in_flight == 0 && st.load.size_buckets[KVO_SIZE_BUCKETS - 1] == 0);
+
+    CHECK_OK(kvo_worker_submit_job(w, 1, KVO_JOB_KIND_STORE, U32S(0, 1), U32S(0, 1), 0, 0));
+    CHECK_OK(kvo_worker_submit_job(w, 2, KVO_JOB_KIND_STORE, U32S(NBLOCKS), U32S(2), 0, 0));
+    CHECK_OK(kvo_worker_submit_job(w, 3, KVO_JOB_KIND_LOAD, U32S(0), U32S(5), 0, 0));
+    CHECK_OK(kvo_worker_get_stats(w, &st));
+    CHECK(st.jobs_in_flight == 3);
+    done_t d = WAIT_POLL(w, 1, 2, 3);
+    CHECK(d.n == 3);
+    CHECK_OK(kvo_worker_get_stats(w, &st));
+    CHECK(st.jobs_in_flight == 0);
+    CHECK(st.store.jobs == 2 && st.store.failed_jobs == 1 && st.store.bytes == 2 * PAGES);
+    CHECK(st.load.jobs == 1 && st.load.failed_jobs == 0 && st.load.bytes == PAGES);
+    CHECK(st.store.seconds >= 0.0 && st.load.seconds >= 0.0);
+    CHECK(st.store.size_buckets[0] == 1 && st.load.size_buckets[0] == 1);
+
+    /* An older, shorter struct gets only its own bytes. */
+    struct {
+        size_t struct_size;
+        kvo_transfer_stats load;
+        uint64_t canary;
+    } old;
+    old.struct_size = offsetof(kvo_worker_stats, store);
+    old.canary = 77;
+    CHECK_OK(kvo_worker_get_stats(w, (kvo_worker_stats *)(void *)&old));
+    CHECK(old.struct_size == offsetof(kvo_worker_stats, store) && old.load.jobs == 1 &&
+          old.canary == 77);
+
+    CHECK_STATUS(kvo_worker_get_stats(NULL, &st), KVO_STATUS_NULL_ARGUMENT, "worker");
+    CHECK_STATUS(kvo_worker_get_stats(w, NULL), KVO_STATUS_NULL_ARGUMENT, "out");
+    st.struct_size = 2;
+    CHECK_STATUS(kvo_worker_get_stats(w, &st), KVO_STATUS_INVALID_ARGUMENT, "struct_size");
+
+    /* The text: asked for its length first, then rendered. */
+    const kvo_label labels[2] = {{"engine", "e\"0"}, {"rank", "3"}};
+    size_t len = 0;
+    CHECK_STATUS(kvo_worker_metrics_text(w, "vllm:kv_offload", labels, 2, NULL, 0, &len),
+                 KVO_STATUS_BUFFER_TOO_SMALL, "cap");
+    CHECK(len > 0);
+    char *text = malloc(len + 1);
+    size_t got = 0;
+    CHECK_STATUS(kvo_worker_metrics_text(w, "vllm:kv_offload", labels, 2, text, len, &got),
+                 KVO_STATUS_BUFFER_TOO_SMALL, "cap");
+    CHECK(got == len);
+    memset(text, 'x', len + 1);
+    CHECK_OK(kvo_worker_metrics_text(w, "vllm:kv_offload", labels, 2, text, len + 1, &got));
+    CHECK(got == len && text[len] == '\0' && strlen(text) == len);
+    CHECK(strstr(text, "\nvllm:kv_offload_store_bytes_total{engine=\"e\\\"0\",rank=\"3\"} " "208\n") !=
+          NULL);
+    CHECK(strstr(text, "\nvllm:kv_offload_store_failed_jobs_total{engine=\"e\\\"0\",rank=\"3\"} 1\n") !=
+          NULL);
+    CHECK(strstr(text, "\nvllm:kv_offload_load_size_bucket{engine=\"e\\\"0\",rank=\"3\",le=\"1000000\"} 1\n") !=
+          NULL);
+    CHECK(strstr(text, "# TYPE vllm:kv_offload_load_size histogram\n") != NULL);
+    free(text);
+
+    /* Bad arguments: named, and nothing written. */
+    char small[8] = "keep";
+    size_t keep = 99;
+    CHECK_STATUS(kvo_worker_metrics_text(NULL, "p", NULL, 0, small, 8, &keep),
+                 KVO_STATUS_NULL_ARGUMENT, "worker");
+    CHECK_STATUS(kvo_worker_metrics_text(w, NULL, NULL, 0, small, 8, &keep),
+                 KVO_STATUS_NULL_ARGUMENT, "prefix");
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", NULL, 0, small, 8, NULL),
+                 KVO_STATUS_NULL_ARGUMENT, "out_len");
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", NULL, 1, small, 8, &keep),
+                 KVO_STATUS_NULL_ARGUMENT, "labels");
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", NULL, 0, NULL, 1 << 20, &keep),
+                 KVO_STATUS_NULL_ARGUMENT, "buf");
+    const kvo_label no_value[1] = {{"engine", NULL}};
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", no_value, 1, small, 8, &keep),
+                 KVO_STATUS_NULL_ARGUMENT, "labels[0].value");
+    CHECK_STATUS(kvo_worker_metrics_text(w, "9p", NULL, 0, small, 8, &keep),
+                 KVO_STATUS_INVALID_ARGUMENT, "prefix");
+    const kvo_label bad_name[2] = {{"engine", "0"}, {"a-b", "1"}};
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", bad_name, 2, small, 8, &keep),
+                 KVO_STATUS_INVALID_ARGUMENT, "labels");
+    const kvo_label twice[2] = {{"rank", "0"}, {"rank", "1"}};
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", twice, 2, small, 8, &keep),
+                 KVO_STATUS_INVALID_ARGUMENT, "labels[1].name");
+    const kvo_label le[1] = {{"le", "0"}};
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", le, 1, small, 8, &keep),
+                 KVO_STATUS_INVALID_ARGUMENT, "labels[0].name");
+    const kvo_label not_utf8[1] = {{"engine", "\xff"}};
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", not_utf8, 1, small, 8, &keep),
+                 KVO_STATUS_INVALID_ARGUMENT, "labels[0].value");
+    CHECK(keep == 99 && strcmp(small, "keep") == 0);
+    /* An empty prefix: bare names. */
+    char big[16384];
+    CHECK_OK(kvo_worker_metrics_text(w, "", NULL, 0, big, sizeof big, &got));
+    CHECK(strncmp(big, "# HELP load_bytes_total ", 24) == 0);
+
+    kvo_worker_free(w);
+    tensor_free(&t0);
+    tensor_free(&t1);
+}
+
 int main(void) {
     test_config_default();
     test_many_failed_jobs();
@@ -1364,6 +1474,7 @@ int main(void) {
     test_bad_calls();
     test_step_after_shutdown();
     test_cuda();
+    test_stats_and_metrics();
     printf("%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
 }

@@ -62,6 +62,11 @@
 #define KVO_STEP_FORMAT_VERSION 1
 
 /**
+ * Buckets of `kvo_transfer_stats.size_buckets`.
+ */
+#define KVO_SIZE_BUCKETS 11
+
+/**
  * The result of every fallible C function. `KVO_STATUS_OK` is 0; details of any other value
  * are in `kvo_last_error_message`.
  */
@@ -441,6 +446,21 @@ typedef struct kvo_manager_stats {
 } kvo_manager_stats;
 
 /**
+ * One constant label of the metrics text: `name="value"` on every sample. Both are
+ * NUL-terminated UTF-8, read during the call only.
+ */
+typedef struct kvo_label {
+  /**
+   * Label name (`[a-zA-Z_][a-zA-Z0-9_]*`, not `le`).
+   */
+  const char *name;
+  /**
+   * Label value (any UTF-8; escaped in the output).
+   */
+  const char *value;
+} kvo_label;
+
+/**
  * Configuration of a scheduler. Fill it with `kvo_scheduler_config_default`, then change fields.
  */
 typedef struct kvo_scheduler_config {
@@ -799,6 +819,57 @@ typedef struct kvo_completion {
   uint32_t reserved;
 } kvo_completion;
 
+/**
+ * A worker's counters for one direction (see `kvo_worker_stats`).
+ */
+typedef struct kvo_transfer_stats {
+  /**
+   * Jobs finished and handed out by `kvo_worker_poll` (or finished synchronously), failed
+   * ones included.
+   */
+  uint64_t jobs;
+  /**
+   * Of those, the jobs that failed.
+   */
+  uint64_t failed_jobs;
+  /**
+   * Bytes copied by the jobs that succeeded.
+   */
+  uint64_t bytes;
+  /**
+   * Copy time of the jobs that succeeded, in seconds (device time for CUDA).
+   */
+  double seconds;
+  /**
+   * Jobs that succeeded per size, not cumulative: bucket `i` counts jobs of at most 1e6,
+   * 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6 bytes (and above the bucket
+   * before); the last bucket counts larger jobs. vLLM's buckets.
+   */
+  uint64_t size_buckets[KVO_SIZE_BUCKETS];
+} kvo_transfer_stats;
+
+/**
+ * Counters and gauges of a worker. Set `struct_size` before `kvo_worker_get_stats`.
+ */
+typedef struct kvo_worker_stats {
+  /**
+   * `sizeof(kvo_worker_stats)` as the caller knows it; only that many bytes are written.
+   */
+  size_t struct_size;
+  /**
+   * Loads: host tier → KV tensors (and `kvo_worker_swap_blocks` into device tensors).
+   */
+  struct kvo_transfer_stats load;
+  /**
+   * Stores: KV tensors → host tier (and `kvo_worker_swap_blocks` into host tensors).
+   */
+  struct kvo_transfer_stats store;
+  /**
+   * Jobs submitted and not yet handed out by `kvo_worker_poll`.
+   */
+  uint64_t jobs_in_flight;
+} kvo_worker_stats;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -1046,6 +1117,32 @@ kvo_status kvo_manager_take_events(struct kvo_manager *m,
 KVO_NODISCARD
 kvo_status kvo_manager_get_stats(const struct kvo_manager *m,
                                  struct kvo_manager_stats *out);
+
+/**
+ * Renders the manager's counters and gauges in the Prometheus text exposition format (0.0.4) into `buf`: every
+ * metric named `<prefix>_<name>` (`prefix` may be empty: then `<name>`), every sample with the
+ * `n_labels` constant labels, in order. README.md lists the metrics. Writes the
+ * text NUL-terminated and its length without the NUL to `*out_len`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle, `prefix`, `out_len`,
+ * label string, `labels` with `n_labels > 0` or `buf` with `cap > 0`;
+ * `KVO_STATUS_INVALID_ARGUMENT` for a prefix that is not a metric name, a label name that is
+ * not a label name, `le` or repeated, or a string that is not UTF-8;
+ * `KVO_STATUS_BUFFER_TOO_SMALL` if `cap` is not above the length (only `*out_len` is written;
+ * pass `cap` 0 to ask, and retry with room to spare: counters grow between calls).
+ *
+ * # Safety
+ * Handle NULL or live; `prefix` and the label strings NULL or NUL-terminated; `labels` NULL or
+ * `n_labels` entries; `buf` NULL or `cap` writable bytes; `out_len` NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_manager_metrics_text(const struct kvo_manager *m,
+                                    const char *prefix,
+                                    const struct kvo_label *labels,
+                                    size_t n_labels,
+                                    char *buf,
+                                    size_t cap,
+                                    size_t *out_len);
 
 /**
  * Drops every key and frees every slot, without events. Completions of jobs from before the reset
@@ -1300,6 +1397,34 @@ kvo_status kvo_scheduler_take_events(struct kvo_scheduler *s,
 KVO_NODISCARD
 kvo_status kvo_scheduler_get_stats(const struct kvo_scheduler *s,
                                    struct kvo_scheduler_stats *out);
+
+/**
+ * Renders the scheduler's counters and gauges in the Prometheus text exposition format (0.0.4) into `buf`: every
+ * metric named `<prefix>_<name>` (`prefix` may be empty: then `<name>`), every sample with the
+ * `n_labels` constant labels, in order. README.md lists the metrics. They include its tier's (the
+ * manager metrics): do not render that tier again. A constant label may not be named
+ * `reason` (`deferred_matches_total` has it). Writes the
+ * text NUL-terminated and its length without the NUL to `*out_len`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle, `prefix`, `out_len`,
+ * label string, `labels` with `n_labels > 0` or `buf` with `cap > 0`;
+ * `KVO_STATUS_INVALID_ARGUMENT` for a prefix that is not a metric name, a label name that is
+ * not a label name, `le` or repeated, or a string that is not UTF-8;
+ * `KVO_STATUS_BUFFER_TOO_SMALL` if `cap` is not above the length (only `*out_len` is written;
+ * pass `cap` 0 to ask, and retry with room to spare: counters grow between calls).
+ *
+ * # Safety
+ * Handle NULL or live; `prefix` and the label strings NULL or NUL-terminated; `labels` NULL or
+ * `n_labels` entries; `buf` NULL or `cap` writable bytes; `out_len` NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_metrics_text(const struct kvo_scheduler *s,
+                                      const char *prefix,
+                                      const struct kvo_label *labels,
+                                      size_t n_labels,
+                                      char *buf,
+                                      size_t cap,
+                                      size_t *out_len);
 
 /**
  * Recounts the scheduler's and tier's state and compares it with their bookkeeping (jobs vs
@@ -1632,6 +1757,35 @@ kvo_status kvo_worker_get_host_buffer(const struct kvo_worker *w,
                                       uint32_t tensor,
                                       void **out_ptr,
                                       size_t *out_len);
+
+/**
+ * Writes the counters and gauges to `*out` (only `out->struct_size` bytes).
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if
+ * `out->struct_size` is smaller than `sizeof(size_t)`.
+ *
+ * # Safety
+ * `w` NULL or live; `out` NULL or `out->struct_size` writable bytes.
+ */
+KVO_NODISCARD
+kvo_status kvo_worker_get_stats(const struct kvo_worker *w,
+                                struct kvo_worker_stats *out);
+
+/**
+ * Renders the worker's counters and gauges in the Prometheus text exposition format (0.0.4)
+ * into `buf`, as `kvo_manager_metrics_text` does (same arguments, statuses and safety).
+ *
+ * # Safety
+ * As for `kvo_manager_metrics_text`.
+ */
+KVO_NODISCARD
+kvo_status kvo_worker_metrics_text(const struct kvo_worker *w,
+                                   const char *prefix,
+                                   const struct kvo_label *labels,
+                                   size_t n_labels,
+                                   char *buf,
+                                   size_t cap,
+                                   size_t *out_len);
 
 /**
  * Refuses new submissions from now on (`KVO_STATUS_INVALID_STATE`), then blocks until every job

@@ -1,10 +1,12 @@
 //! `kvo_manager_*`: the offload tier index ([`crate::manager::Manager`]) behind a C handle.
 
+use super::metrics::{kvo_label, naming, write_text};
 use super::{
     Failure, FfiResult, copy_events, free_handle, give, guard, handle, kvo_status, lock, non_null,
     read_config, slice, slice_mut, write, write_sized,
 };
 use crate::manager::{Lookup, Manager, ManagerConfig, ManagerStats, Policy};
+use std::ffi::c_char;
 use std::sync::Mutex;
 
 /// Eviction policies (values of `kvo_manager_config.policy`).
@@ -566,6 +568,46 @@ pub unsafe extern "C" fn kvo_manager_get_stats(
         let full = kvo_manager_stats::from(h.get()?.stats());
         // SAFETY: forwarded from the caller.
         unsafe { write_sized(out, full, "out") }
+    })
+}
+
+/// Renders the manager's counters and gauges in the Prometheus text exposition format (0.0.4) into `buf`: every
+/// metric named `<prefix>_<name>` (`prefix` may be empty: then `<name>`), every sample with the
+/// `n_labels` constant labels, in order. README.md lists the metrics. Writes the
+/// text NUL-terminated and its length without the NUL to `*out_len`.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle, `prefix`, `out_len`,
+/// label string, `labels` with `n_labels > 0` or `buf` with `cap > 0`;
+/// `KVO_STATUS_INVALID_ARGUMENT` for a prefix that is not a metric name, a label name that is
+/// not a label name, `le` or repeated, or a string that is not UTF-8;
+/// `KVO_STATUS_BUFFER_TOO_SMALL` if `cap` is not above the length (only `*out_len` is written;
+/// pass `cap` 0 to ask, and retry with room to spare: counters grow between calls).
+///
+/// # Safety
+/// Handle NULL or live; `prefix` and the label strings NULL or NUL-terminated; `labels` NULL or
+/// `n_labels` entries; `buf` NULL or `cap` writable bytes; `out_len` NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_metrics_text(
+    m: *const kvo_manager,
+    prefix: *const c_char,
+    labels: *const kvo_label,
+    n_labels: usize,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { handle(m, MANAGER) }?;
+        non_null(out_len, "out_len")?;
+        // SAFETY: forwarded from the caller.
+        let naming = unsafe { naming(prefix, labels, n_labels) }?;
+        let stats = h.get()?.stats();
+        let mut text = String::new();
+        crate::metrics::manager_text(&naming, &stats, &mut text)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { write_text(&text, buf, cap, out_len) }
     })
 }
 

@@ -8,12 +8,14 @@
 #![allow(non_camel_case_types)]
 
 mod manager;
+mod metrics;
 mod scheduler;
 mod status;
 mod step;
 mod worker;
 
 pub use manager::*;
+pub use metrics::kvo_label;
 pub use scheduler::*;
 pub use status::kvo_status;
 pub use step::*;

@@ -1,11 +1,14 @@
 //! `kvo_worker_*`: block copies ([`crate::transfer::Worker`]) behind a C handle.
 
+use super::metrics::{kvo_label, naming, write_text};
 use super::{
     Failure, copy_c_string, free_handle, give, guard, handle, kvo_status, kvo_step, lock, non_null,
-    read_config, slice, slice_mut, write,
+    read_config, slice, slice_mut, write, write_sized,
 };
 use crate::plan::Direction;
-use crate::transfer::{BackendKind, Completion, JobBlocks, KvTensor, Worker, WorkerConfig};
+use crate::transfer::{
+    BackendKind, Completion, DirectionStats, JobBlocks, KvTensor, Worker, WorkerConfig,
+};
 use std::ffi::{c_char, c_void};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -82,6 +85,55 @@ pub struct kvo_completion {
     pub success: u32,
     /// Zero.
     pub reserved: u32,
+}
+
+/// Buckets of `kvo_transfer_stats.size_buckets`.
+pub const KVO_SIZE_BUCKETS: usize = 11;
+const _: () = assert!(KVO_SIZE_BUCKETS == crate::transfer::SIZE_BUCKETS);
+
+/// A worker's counters for one direction (see `kvo_worker_stats`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvo_transfer_stats {
+    /// Jobs finished and handed out by `kvo_worker_poll` (or finished synchronously), failed
+    /// ones included.
+    pub jobs: u64,
+    /// Of those, the jobs that failed.
+    pub failed_jobs: u64,
+    /// Bytes copied by the jobs that succeeded.
+    pub bytes: u64,
+    /// Copy time of the jobs that succeeded, in seconds (device time for CUDA).
+    pub seconds: f64,
+    /// Jobs that succeeded per size, not cumulative: bucket `i` counts jobs of at most 1e6,
+    /// 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6 bytes (and above the bucket
+    /// before); the last bucket counts larger jobs. vLLM's buckets.
+    pub size_buckets: [u64; KVO_SIZE_BUCKETS],
+}
+
+impl From<DirectionStats> for kvo_transfer_stats {
+    fn from(d: DirectionStats) -> Self {
+        Self {
+            jobs: d.jobs,
+            failed_jobs: d.failed_jobs,
+            bytes: d.bytes,
+            seconds: d.seconds,
+            size_buckets: d.size_buckets,
+        }
+    }
+}
+
+/// Counters and gauges of a worker. Set `struct_size` before `kvo_worker_get_stats`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvo_worker_stats {
+    /// `sizeof(kvo_worker_stats)` as the caller knows it; only that many bytes are written.
+    pub struct_size: usize,
+    /// Loads: host tier → KV tensors (and `kvo_worker_swap_blocks` into device tensors).
+    pub load: kvo_transfer_stats,
+    /// Stores: KV tensors → host tier (and `kvo_worker_swap_blocks` into host tensors).
+    pub store: kvo_transfer_stats,
+    /// Jobs submitted and not yet handed out by `kvo_worker_poll`.
+    pub jobs_in_flight: u64,
 }
 
 /// Block copies between registered KV tensors and the host tier. Opaque.
@@ -540,6 +592,63 @@ pub unsafe extern "C" fn kvo_worker_get_host_buffer(
         // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
         unsafe { write(out_len, len) };
         Ok(())
+    })
+}
+
+/// Writes the counters and gauges to `*out` (only `out->struct_size` bytes).
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if
+/// `out->struct_size` is smaller than `sizeof(size_t)`.
+///
+/// # Safety
+/// `w` NULL or live; `out` NULL or `out->struct_size` writable bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_worker_get_stats(
+    w: *const kvo_worker,
+    out: *mut kvo_worker_stats,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let st = unsafe { worker(w) }?.worker.stats()?;
+        let full = kvo_worker_stats {
+            struct_size: size_of::<kvo_worker_stats>(),
+            load: st.load.into(),
+            store: st.store.into(),
+            jobs_in_flight: st.jobs_in_flight,
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { write_sized(out, full, "out") }
+    })
+}
+
+/// Renders the worker's counters and gauges in the Prometheus text exposition format (0.0.4)
+/// into `buf`, as `kvo_manager_metrics_text` does (same arguments, statuses and safety).
+///
+/// # Safety
+/// As for `kvo_manager_metrics_text`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_worker_metrics_text(
+    w: *const kvo_worker,
+    prefix: *const c_char,
+    labels: *const kvo_label,
+    n_labels: usize,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { worker(w) }?;
+        non_null(out_len, "out_len")?;
+        // SAFETY: forwarded from the caller.
+        let naming = unsafe { naming(prefix, labels, n_labels) }?;
+        let stats = h.worker.stats()?;
+        let mut text = String::new();
+        crate::metrics::worker_text(&naming, &stats, &mut text)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { write_text(&text, buf, cap, out_len) }
     })
 }
 

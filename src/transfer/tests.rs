@@ -1084,3 +1084,53 @@ fn a_shutdown_during_a_steps_flush_wait_cancels_the_step() {
         Err(Error::NotFound(_))
     ));
 }
+
+#[test]
+fn stats_count_reported_jobs_per_direction() {
+    let a = Mem::new(1, 8, 4096, 4096);
+    let w = worker(1, 4, &[&a]);
+    assert_eq!(w.stats().unwrap(), WorkerStats::default());
+    let job = |kind, src: &'static [u32], dst: &'static [u32]| JobBlocks {
+        kind,
+        src,
+        dst,
+        block_index: 0,
+    };
+    w.submit(1, &job(Direction::Store, &[0, 1], &[0, 1]), 0)
+        .unwrap();
+    w.submit(2, &job(Direction::Store, &[9], &[2]), 0).unwrap(); // block 9 of 8: fails
+    w.submit(3, &job(Direction::Load, &[0], &[5]), 0).unwrap();
+    assert_eq!(w.stats().unwrap().jobs_in_flight, 3);
+    w.wait(&[1, 3], Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        w.stats().unwrap().store.jobs,
+        0,
+        "counted when handed out, not when finished"
+    );
+    let mut out = Vec::new();
+    w.poll(&mut out, usize::MAX).unwrap();
+    assert_eq!(out.len(), 3);
+    let s = w.stats().unwrap();
+    assert_eq!(s.jobs_in_flight, 0);
+    assert_eq!(
+        (s.store.jobs, s.store.failed_jobs, s.store.bytes),
+        (2, 1, 8192)
+    );
+    assert_eq!(
+        (s.load.jobs, s.load.failed_jobs, s.load.bytes),
+        (1, 0, 4096)
+    );
+    assert!(s.store.seconds >= 0.0 && s.load.seconds >= 0.0);
+    assert_eq!(s.store.size_buckets[0], 1, "8 KiB: the first bucket");
+    assert_eq!(
+        s.store.size_buckets.iter().sum::<u64>(),
+        1,
+        "failed jobs: no size"
+    );
+    assert_eq!(s.load.size_buckets[0], 1);
+    // A synchronous swap into a host tensor counts as a store when it finishes.
+    w.swap_blocks(0, 0, &[2], &[3], None).unwrap();
+    let s2 = w.stats().unwrap();
+    assert_eq!((s2.store.jobs, s2.store.bytes), (3, 8192 + 4096));
+    assert_eq!(s2.jobs_in_flight, 0);
+}

@@ -12,6 +12,7 @@ use super::backend::{Backend, Completion, CopyDesc, Progress};
 use super::copy_plan::{JobBlocks, plan_job, push_merged};
 use super::host::HostBackend;
 use super::layout::{self, HostBuffer, KvTensor};
+use super::stats::WorkerStats;
 use crate::error::{Error, Result, invalid};
 use crate::plan::{Direction, Step};
 use hashbrown::{HashMap, HashSet};
@@ -86,6 +87,10 @@ struct State {
     deferred: Step,
     /// The compute stream given with the deferred stores.
     deferred_stream: u64,
+    /// The direction of every job queued in the backend and not yet handed out.
+    directions: HashMap<u64, Direction>,
+    /// Counters of the jobs handed out (and of synchronous swaps).
+    stats: WorkerStats,
     shut_down: bool,
 }
 
@@ -226,6 +231,8 @@ impl Worker {
             descs: Vec::new(),
             deferred: Step::new(),
             deferred_stream: 0,
+            directions: HashMap::new(),
+            stats: WorkerStats::default(),
             shut_down: false,
         };
         // From here on `Drop` unregisters and frees whatever was set up.
@@ -286,6 +293,7 @@ impl Worker {
     /// Plans and queues job `job_id` (reserved or new): a job that cannot be planned or queued
     /// completes as failed at the next poll.
     fn queue(&self, st: &mut State, job_id: u64, job: &JobBlocks<'_>, compute_stream: u64) {
+        st.directions.insert(job_id, job.kind);
         st.descs.clear();
         let planned = plan_job(
             job,
@@ -440,6 +448,9 @@ impl Worker {
         let n = max.min(st.ready.len());
         for c in st.ready.drain(..n) {
             st.jobs.remove(&c.job_id);
+            if let Some(dir) = st.directions.remove(&c.job_id) {
+                st.stats.direction(dir).record(&c);
+            }
             out.push(c);
         }
         Ok(())
@@ -590,6 +601,7 @@ impl Worker {
                 );
             }
             st.backend.submit(id, dir, &st.descs, 0)?;
+            st.directions.insert(id, dir);
             let job = if job_id.is_some() {
                 Job::Running
             } else {
@@ -612,10 +624,27 @@ impl Worker {
                 )));
             }
         };
+        st.directions.remove(&id);
+        st.stats.direction(dir).record(&done);
         if !done.success {
             return Err(Error::Cuda(done.error.unwrap_or_default()));
         }
         Ok(())
+    }
+
+    /// The counters of the jobs handed out so far (and of synchronous swaps), and the jobs in
+    /// flight now: submitted (held stores included) and not yet handed out by `poll`.
+    pub fn stats(&self) -> Result<WorkerStats> {
+        let st = self.lock()?;
+        let in_flight = st
+            .jobs
+            .values()
+            .filter(|j| !matches!(j, Job::Swap | Job::SwapDone(_)))
+            .count();
+        Ok(WorkerStats {
+            jobs_in_flight: in_flight as u64,
+            ..st.stats
+        })
     }
 
     /// Submits the deferred stores, refuses new submissions from now on, then waits for every

@@ -1,4 +1,4 @@
-/* The C example of README.md, kept identical to it; compiled and run by tests/c_api.rs. */
+/* README.md's C example, kept identical; run by tests/c_api.rs and tests/install.rs. */
 #include <kvoffload.h>
 #include <stdio.h>
 #include <stdlib.h>
