@@ -22,7 +22,8 @@ library's message. Keys are ``bytes`` of exactly ``key_len`` bytes.
 """
 
 import ctypes
-from typing import List, NamedTuple, Tuple
+from array import array
+from typing import List, NamedTuple, Optional, Tuple
 
 from . import _ffi
 from ._ffi import *  # noqa: F401,F403  (constants, enums, errors)
@@ -35,9 +36,11 @@ from ._ffi import (
     Policy,
     lib,
     lib_path,
+    library_path,
     version,
 )
-from ._common import _take_events, _MAX_U32, _Handle, _MAX_U64, _POLICIES, _STATS_FIELDS, Event, ManagerStats, _uint
+from ._buffers import Keys, keys_arg, u32_arg, u32_out, u32_zeros
+from ._common import _take_events, _MAX_U32, _Handle, _MAX_U64, _POLICIES, Event, ManagerStats, _uint
 from ._scheduler import (
     Job,
     JobReport,
@@ -55,6 +58,8 @@ __all__ = list(_ffi.__all__) + [
     "version",
     "Manager",
     "StorePlan",
+    "StoreBuffers",
+    "Keys",
     "Event",
     "ManagerStats",
     "Scheduler",
@@ -77,18 +82,71 @@ __version__ = version()
 class StorePlan(NamedTuple):
     """The answer of :meth:`Manager.prepare_store`.
 
-    ``indices``: positions in the keys passed whose stores are now in flight (input order);
-    ``slots``: the host slot of each of them; ``evicted``: the keys evicted to make room, in
-    eviction order.
+    ``indices``: positions in the keys passed whose stores are now in flight (input order,
+    ``array('I')``); ``slots``: the host slot of each of them (``array('I')``); ``evicted``: the
+    keys evicted to make room, in eviction order (:class:`Keys`).
     """
 
-    indices: List[int]
-    slots: List[int]
-    evicted: List[bytes]
+    indices: array
+    slots: array
+    evicted: Keys
+
+
+class StoreBuffers:
+    """Reusable outputs of :meth:`Manager.prepare_store` for up to ``capacity`` keys per call
+    (no allocation per call): after ``m.prepare_store(keys, out=b)``, the first ``b.n_store``
+    entries of ``b.indices`` / ``b.slots`` (``array('I')``) and the first ``b.n_evicted *
+    key_len`` bytes of ``b.evicted`` (``bytearray``) hold the answer."""
+
+    __slots__ = ("capacity", "key_len", "indices", "slots", "evicted", "n_store", "n_evicted",
+                 "_counts", "_addr")
+
+    def __init__(self, capacity, key_len):
+        self.capacity = _uint("capacity", capacity, _MAX_U32)
+        self.key_len = _uint("key_len", key_len, _MAX_U32)
+        self.indices = array("I", bytes(4 * self.capacity))
+        self.slots = array("I", bytes(4 * self.capacity))
+        self.evicted = (ctypes.c_char * (self.capacity * self.key_len))()
+        self._counts = (ctypes.c_uint64 * 2)()
+        self.n_store = self.n_evicted = 0
+        c = ctypes.addressof(self._counts)
+        self._addr = (
+            self.indices.buffer_info()[0],
+            self.slots.buffer_info()[0],
+            ctypes.addressof(self.evicted),
+            c,
+            c + 8,
+        )
+
+    def plan(self) -> StorePlan:
+        """The last answer as a :class:`StorePlan` (copies)."""
+        k, e = self.n_store, self.n_evicted
+        return StorePlan(
+            self.indices[:k], self.slots[:k], Keys(self.evicted[: e * self.key_len], self.key_len)
+        )
+
+
+_lookup = _ffi.fast["kvo_manager_lookup"]
+_lookup_prefix = _ffi.fast["kvo_manager_lookup_prefix"]
+_prepare_load = _ffi.fast["kvo_manager_prepare_load"]
+_touch = _ffi.fast["kvo_manager_touch"]
+_complete_load = _ffi.fast["kvo_manager_complete_load"]
+_prepare_store = _ffi.fast["kvo_manager_prepare_store"]
+_complete_store = _ffi.fast["kvo_manager_complete_store"]
+_complete_store_at = _ffi.fast["kvo_manager_complete_store_at"]
+_get_stats = _ffi.fast["kvo_manager_get_stats"]
+_failure = _ffi.failure
+_addressof = ctypes.addressof
+_Out = ctypes.c_uint64 * 2
+_LOOKUPS = tuple(Lookup)
 
 
 class Manager(_Handle):
     """An offload tier index: keys, host slots, eviction (``kvo_manager``).
+
+    ``keys`` arguments are one bytes-like object of ``n * key_len`` bytes (``bytes``,
+    ``bytearray``, ``memoryview``, ``array``, numpy ``uint8``: passed without copying) or a list
+    of ``key_len``-byte keys; slots are a ``uint32`` buffer or a list of ints.
 
     Calls on one manager are serialized by the library, so a manager may be shared between
     threads; :meth:`close` must not race with other calls on it.
@@ -130,116 +188,151 @@ class Manager(_Handle):
         state = "closed" if self.closed else f"{self.num_slots} slots"
         return f"<kvoffload.Manager {self.policy.name} key_len={self.key_len} {state}>"
 
-
-    # -- keys -----------------------------------------------------------------------------------
-
-    def _check_key(self, i, key):
-        if not isinstance(key, bytes):
-            raise ValueError(f"keys[{i}]: expected bytes, got {type(key).__name__}")
-        if len(key) != self.key_len:
-            raise ValueError(f"keys[{i}]: {len(key)} bytes, key_len is {self.key_len}")
-
-    def _join(self, keys):
-        if isinstance(keys, (bytes, bytearray, memoryview, str)):
-            raise ValueError("keys: expected a sequence of bytes keys, not one bytes object")
-        keys = list(keys)
-        for i, k in enumerate(keys):
-            self._check_key(i, k)
-        return b"".join(keys), len(keys)
-
-    def _split(self, buf, n):
-        kl = self.key_len
-        return [bytes(buf[i * kl : (i + 1) * kl]) for i in range(n)]
-
     # -- operations -----------------------------------------------------------------------------
 
-    def lookup(self, key):
-        """Looks one key up: :class:`Lookup` ``HIT``, ``MISS`` or ``RETRY`` (store in flight).
-        Counts the lookup for the store threshold; does not change recency."""
-        h = self._handle()
-        self._check_key(0, key)
-        out = ctypes.c_uint32()
-        lib.kvo_manager_lookup(h, key, ctypes.byref(out))
-        return Lookup(out.value)
+    def lookup(self, key) -> Lookup:
+        """Looks one key up (bytes-like, ``key_len`` bytes): :class:`Lookup` ``HIT``, ``MISS`` or
+        ``RETRY`` (store in flight). Counts the lookup for the store threshold; does not change
+        recency."""
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        arg, n, keep = keys_arg(key, self.key_len, "key")
+        if n != 1:
+            raise ValueError(f"key: {n * self.key_len} bytes, key_len is {self.key_len}")
+        out = _Out()
+        st = _lookup(h, arg, _addressof(out))
+        if st:
+            raise _failure(st)
+        return _LOOKUPS[out[0]]
 
     def lookup_prefix(self, keys) -> Tuple[int, bool]:
         """Number of leading stored keys, and whether the answer must be retried later
         (a key of that prefix has its store in flight)."""
-        h = self._handle()
-        buf, n = self._join(keys)
-        hits = ctypes.c_size_t()
-        retry = ctypes.c_uint32()
-        lib.kvo_manager_lookup_prefix(h, buf, n, ctypes.byref(hits), ctypes.byref(retry))
-        return hits.value, bool(retry.value)
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        arg, n, keep = keys_arg(keys, self.key_len)
+        out = _Out()
+        a = _addressof(out)
+        st = _lookup_prefix(h, arg, n, a, a + 8)
+        if st:
+            raise _failure(st)
+        return out[0], out[1] != 0
 
-    def prepare_load(self, keys) -> List[int]:
-        """Pins ``keys`` for a load; returns their slots in input order."""
-        h = self._handle()
-        buf, n = self._join(keys)
-        slots = (ctypes.c_uint32 * n)()
-        lib.kvo_manager_prepare_load(h, buf, n, slots, n)
-        return list(slots)
+    def prepare_load(self, keys, out=None) -> array:
+        """Pins ``keys`` for a load; returns their slots in input order (``array('I')``). With
+        ``out`` (a writable ``uint32`` buffer of at least ``n`` entries) the slots are written
+        there and ``out`` is returned."""
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        arg, n, keep = keys_arg(keys, self.key_len)
+        if out is None:
+            res, addr = u32_zeros(n)
+        else:
+            addr, keep_out = u32_out(out, n)
+            res = out
+        st = _prepare_load(h, arg, n, addr, n)
+        if st:
+            raise _failure(st)
+        return res
 
     def touch(self, keys):
         """Marks ``keys`` as used (LRU: the first key ends most recent). Unknown keys are
         ignored."""
-        h = self._handle()
-        buf, n = self._join(keys)
-        lib.kvo_manager_touch(h, buf, n)
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        arg, n, keep = keys_arg(keys, self.key_len)
+        st = _touch(h, arg, n)
+        if st:
+            raise _failure(st)
 
     def complete_load(self, keys):
         """Releases one load pin of each key."""
-        h = self._handle()
-        buf, n = self._join(keys)
-        lib.kvo_manager_complete_load(h, buf, n)
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        arg, n, keep = keys_arg(keys, self.key_len)
+        st = _complete_load(h, arg, n)
+        if st:
+            raise _failure(st)
 
-    def prepare_store(self, keys) -> StorePlan:
-        """Reserves host slots for the keys not stored yet, evicting if needed.
+    def prepare_store(self, keys, out: Optional[StoreBuffers] = None) -> StorePlan:
+        """Reserves host slots for the keys not stored yet, evicting if needed; returns a
+        :class:`StorePlan`. With ``out`` (a :class:`StoreBuffers` of this key length and enough
+        capacity) the answer is written there instead and ``out`` is returned.
 
         Raises :class:`NoRoomError` when not enough can be evicted now (retry later).
         """
-        h = self._handle()
-        buf, n = self._join(keys)
-        indices = (ctypes.c_uint32 * n)()
-        slots = (ctypes.c_uint32 * n)()
-        evicted = (ctypes.c_uint8 * (n * self.key_len))()
-        n_store = ctypes.c_size_t()
-        n_evicted = ctypes.c_size_t()
-        lib.kvo_manager_prepare_store(
-            h, buf, n, indices, slots, evicted, n, ctypes.byref(n_store), ctypes.byref(n_evicted)
-        )
-        k = n_store.value
-        return StorePlan(
-            list(indices[:k]), list(slots[:k]), self._split(bytes(evicted), n_evicted.value)
-        )
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        kl = self.key_len
+        arg, n, keep = keys_arg(keys, kl)
+        if out is not None:
+            if type(out) is not StoreBuffers:
+                raise TypeError(f"out: expected StoreBuffers, got {type(out).__name__}")
+            if out.key_len != kl or out.capacity < n:
+                raise ValueError(
+                    f"out: StoreBuffers for {out.capacity} keys of {out.key_len} bytes, "
+                    f"{n} keys of {kl} bytes passed"
+                )
+            a = out._addr
+            st = _prepare_store(h, arg, n, a[0], a[1], a[2], n, a[3], a[4])
+            if st:
+                raise _failure(st)
+            c = out._counts
+            out.n_store = c[0]
+            out.n_evicted = c[1]
+            return out
+        ids = array("I", bytes(8 * n))
+        ia = ids.buffer_info()[0]
+        evicted = (ctypes.c_char * (n * kl))()
+        counts = _Out()
+        ca = _addressof(counts)
+        st = _prepare_store(h, arg, n, ia, ia + 4 * n, _addressof(evicted), n, ca, ca + 8)
+        if st:
+            raise _failure(st)
+        k = counts[0]
+        return StorePlan(ids[:k], ids[n : n + k], Keys(evicted[: counts[1] * kl], kl))
 
     def complete_store(self, keys, success=True, slots=None):
         """Ends the stores of ``keys``: success makes them ready, failure drops them.
 
-        ``slots``: the slots ``prepare_store`` gave the keys (``plan.slots``), to skip the hash
-        lookups; wrong slots are only hints.
+        ``slots``: the slots ``prepare_store`` gave the keys (``plan.slots``: a ``uint32``
+        buffer or a list), to skip the hash lookups; wrong slots are only hints.
         """
-        h = self._handle()
-        buf, n = self._join(keys)
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        arg, n, keep = keys_arg(keys, self.key_len)
         if slots is None:
-            lib.kvo_manager_complete_store(h, buf, n, 1 if success else 0)
+            st = _complete_store(h, arg, n, 1 if success else 0)
         else:
-            if len(slots) != n:
-                raise ValueError(f"slots: {len(slots)} slots for {n} keys")
-            at = (ctypes.c_uint32 * n)(*slots)
-            lib.kvo_manager_complete_store_at(h, buf, at, n, 1 if success else 0)
+            at, ns, keep_slots = u32_arg(slots, "slots")
+            if ns != n:
+                raise ValueError(f"slots: {ns} slots for {n} keys")
+            st = _complete_store_at(h, arg, at, n, 1 if success else 0)
+        if st:
+            raise _failure(st)
 
     def take_events(self) -> List[Event]:
         """Takes the buffered events, oldest first (empty unless ``enable_events``)."""
         return _take_events(lib.kvo_manager_take_events, self._handle(), self.key_len)
 
     def stats(self) -> ManagerStats:
-        """Counters and gauges (``kvo_manager_get_stats``)."""
-        h = self._handle()
-        s = _ffi.kvo_manager_stats()
-        s.struct_size = ctypes.sizeof(s)
-        lib.kvo_manager_get_stats(h, ctypes.byref(s))
-        return ManagerStats(**{f: getattr(s, f) for f in _STATS_FIELDS})
+        """Counters and gauges (``kvo_manager_get_stats``), as the struct the library filled;
+        ``as_dict()`` on demand."""
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        s = ManagerStats._empty()
+        st = _get_stats(h, _addressof(s))
+        if st:
+            raise _failure(st)
+        return s
 
     def reset(self):
         """Drops every key and frees every slot, without events. Cumulative counters are kept."""
