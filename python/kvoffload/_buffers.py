@@ -72,6 +72,7 @@ class _Export:
     __slots__ = ("view", "__weakref__")
 
     def __init__(self, obj, writable, name):
+        self.view = None
         view = _Py_buffer()
         try:
             _get_buffer(obj, ctypes.addressof(view), _PyBUF_FORMAT | (writable and _PyBUF_WRITABLE))
@@ -142,7 +143,7 @@ def _joined(keys, key_len, name):
         return b""
     for i, k in enumerate(keys):
         if not isinstance(k, (bytes, bytearray, memoryview)):
-            raise ValueError(f"{name}[{i}]: expected bytes, got {type(k).__name__}")
+            raise TypeError(f"{name}[{i}]: expected bytes, got {type(k).__name__}")
         if len(k) != key_len:
             raise ValueError(f"{name}[{i}]: {len(k)} bytes, key_len is {key_len}")
     raise ValueError(f"{name}: keys of mixed formats")  # pragma: no cover (memoryview items)

@@ -320,7 +320,7 @@ class SchedulerStepTest(Base):
         plan = s.build_step([ScheduledRequest(1, 0, 36, 36, b1)])
         self.addCleanup(plan.close)
         (job,) = plan.jobs
-        self.assertEqual((job.kind, job.src, len(job.dst)), (JobKind.STORE, b1, 3))
+        self.assertEqual((job.kind, list(job.src), len(job.dst)), (JobKind.STORE, b1, 3))
         done = self.execute(s, plan, w)
         self.assertEqual((done[job.id].success, done[job.id].bytes), (True, 9 * 104))
         img0 = bytearray(SLOTS * 64 * 3)
