@@ -52,7 +52,7 @@ from ._scheduler import (
     Step,
     StepInfo,
 )
-from ._worker import Completion, KvTensor, Worker, cuda_available
+from ._worker import Completion, Completions, KvTensor, Worker, cuda_available
 
 __all__ = list(_ffi.__all__) + [
     "version",
@@ -74,6 +74,7 @@ __all__ = list(_ffi.__all__) + [
     "Worker",
     "KvTensor",
     "Completion",
+    "Completions",
     "cuda_available",
 ]
 __version__ = version()

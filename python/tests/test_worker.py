@@ -506,14 +506,12 @@ class LifetimeTest(Base):
     def test_close_twice_and_use_after_close(self):
         (m0,) = self.mems()[:1]
         w = Worker([m0.tensor()], SLOTS)
-        view = w.host_buffer(0)
         self.assertIn("host", repr(w))
         w.close()
         w.close()
         self.assertTrue(w.closed)
+        self.assertFalse(w._finalizer.alive, "freed by close() when no host-tier view is held")
         self.assertIn("closed", repr(w))
-        with self.assertRaises(ValueError):
-            view[0]  # released with the worker
         with self.assertRaises(ValueError):
             w.poll()
         with self.assertRaises(ValueError):
@@ -521,6 +519,25 @@ class LifetimeTest(Base):
         with self.assertRaises(ValueError):
             with w:
                 pass
+
+    def test_host_buffer_views_keep_the_tier_until_they_go(self):
+        (m0,) = self.mems()[:1]
+        w = Worker([m0.tensor()], SLOTS)
+        view = w.host_buffer(0)
+        view[64:128] = bytes(range(64))
+        part = view[64:128]  # a slice: its own view of the same memory
+        del view
+        w.close()
+        self.assertTrue(w.closed)
+        with self.assertRaises(ValueError):
+            w.host_buffer(0)
+        self.assertTrue(w._finalizer.alive, "the slice still shows the tier: not freed yet")
+        self.assertEqual(bytes(part), bytes(range(64)))  # still the tier's bytes, not freed memory
+        part[0] = 7
+        self.assertEqual(part[0], 7)
+        del part
+        gc.collect()
+        self.assertFalse(w._finalizer.alive, "freed with the last view")
 
     def test_context_manager_and_finalizer(self):
         (m0,) = self.mems()[:1]
