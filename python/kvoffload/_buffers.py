@@ -22,6 +22,7 @@ assert array("I").itemsize == 4 and array("Q").itemsize == 8
 
 _PyBUF_WRITABLE = 0x0001
 _PyBUF_FORMAT = 0x0004
+_PyBUF_ND = 0x0008
 _MAX_U32 = 2**32 - 1
 _MAX_U64 = 2**64 - 1
 
@@ -75,7 +76,8 @@ class _Export:
         self.view = None
         view = _Py_buffer()
         try:
-            _get_buffer(obj, ctypes.addressof(view), _PyBUF_FORMAT | (writable and _PyBUF_WRITABLE))
+            flags = _PyBUF_FORMAT | _PyBUF_ND | (_PyBUF_WRITABLE if writable else 0)
+            _get_buffer(obj, ctypes.addressof(view), flags)
         except BufferError as e:
             what = "a writable contiguous buffer" if writable else "a contiguous buffer"
             raise TypeError(f"{name}: expected {what} ({e})") from None
