@@ -10,7 +10,6 @@ import unittest
 from array import array
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, os.pardir))
 
 import kvoffload  # noqa: E402
 from kvoffload import (  # noqa: E402

@@ -15,7 +15,6 @@ import sys
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, os.pardir))
 
 import kvoffload  # noqa: E402
 from kvoffload import _ffi  # noqa: E402

@@ -9,7 +9,8 @@ import tempfile
 import threading
 import unittest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 import kvoffload  # noqa: E402
 from kvoffload import (  # noqa: E402
@@ -91,14 +92,66 @@ class ModuleTest(unittest.TestCase):
 class LoaderTest(unittest.TestCase):
     """Import-time checks, each in a fresh interpreter."""
 
-    PYTHON_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+    # The directory holding the package under test (this checkout's python/ or site-packages).
+    PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(kvoffload.__file__)))
 
-    def import_with(self, lib_path):
-        env = dict(os.environ, KVOFFLOAD_LIB=lib_path, PYTHONDONTWRITEBYTECODE="1")
+    def import_with(self, lib_path, code="import kvoffload", cwd=None, **env_changes):
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **env_changes)
+        env.pop("KVOFFLOAD_LIB", None)
+        if lib_path is not None:
+            env["KVOFFLOAD_LIB"] = lib_path
         return subprocess.run(
-            [sys.executable, "-c", "import kvoffload"],
-            cwd=self.PYTHON_DIR, env=env, capture_output=True, text=True, timeout=60,
+            [sys.executable, "-c", code],
+            cwd=cwd or self.PYTHON_DIR, env=env, capture_output=True, text=True, timeout=60,
         )
+
+    def test_system_search_is_used_when_nothing_is_bundled(self):
+        # A copy of the package outside any checkout, with no library inside: the loader falls
+        # back to the system search (LD_LIBRARY_PATH here) and reports the file it loaded.
+        lib = os.path.realpath(kvoffload.library_path)
+        with tempfile.TemporaryDirectory() as d:
+            pkg = os.path.join(d, "kvoffload")
+            shutil.copytree(os.path.dirname(kvoffload.__file__), pkg,
+                            ignore=shutil.ignore_patterns("*.so", "*.dylib", "*.dll",
+                                                          "__pycache__"))
+            libdir = os.path.join(d, "lib")
+            os.mkdir(libdir)
+            shutil.copy(lib, os.path.join(libdir, os.path.basename(lib)))
+            code = "import kvoffload, os; print(os.path.realpath(kvoffload.library_path))"
+            r = self.import_with(None, code, cwd=d, LD_LIBRARY_PATH=libdir)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(r.stdout.strip(), os.path.realpath(os.path.join(libdir,
+                                                                              os.path.basename(lib))))
+            r = self.import_with(None, code, cwd=d, LD_LIBRARY_PATH=os.path.join(d, "none"))
+            if r.returncode == 0:  # installed system-wide: found there, never in the checkout
+                self.assertNotIn(os.path.realpath(os.path.join(HERE, os.pardir, os.pardir)),
+                                 r.stdout)
+            else:
+                self.assertIn("not found", r.stderr)
+                self.assertIn("pip install", r.stderr)
+
+    def test_a_bundled_library_comes_first(self):
+        lib = os.path.realpath(kvoffload.library_path)
+        with tempfile.TemporaryDirectory() as d:
+            pkg = os.path.join(d, "kvoffload")
+            shutil.copytree(os.path.dirname(kvoffload.__file__), pkg,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+            bundled = os.path.join(pkg, os.path.basename(lib))
+            if not os.path.exists(bundled):
+                shutil.copy(lib, bundled)
+            code = "import kvoffload, os; print(os.path.realpath(kvoffload.library_path))"
+            r = self.import_with(None, code, cwd=d, LD_LIBRARY_PATH=os.path.join(d, "none"))
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(r.stdout.strip(), os.path.realpath(bundled))
+
+    def test_installed_package_loads_its_bundled_library(self):
+        if not os.environ.get("KVOFFLOAD_TEST_INSTALLED"):
+            self.skipTest("run.py --installed tests an installed package")
+        pkg = os.path.dirname(os.path.realpath(kvoffload.__file__))
+        checkout = os.path.realpath(os.path.join(HERE, os.pardir))
+        self.assertFalse(pkg.startswith(checkout + os.sep), f"{pkg} is this checkout's")
+        if not os.environ.get("KVOFFLOAD_LIB"):
+            self.assertEqual(os.path.dirname(os.path.realpath(kvoffload.library_path)), pkg)
 
     def test_missing_library_is_an_import_error(self):
         r = self.import_with("/nonexistent/libkvoffload.so")

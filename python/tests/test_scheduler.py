@@ -13,7 +13,6 @@ import unittest
 import weakref
 from unittest import mock
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 import kvoffload  # noqa: E402
 from kvoffload import _scheduler  # noqa: E402

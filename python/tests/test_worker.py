@@ -15,7 +15,6 @@ import sys
 import unittest
 import weakref
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 import kvoffload  # noqa: E402
 from kvoffload import (  # noqa: E402
