@@ -43,9 +43,9 @@
 
 use kvoffload::Error;
 use kvoffload::manager::Policy;
+use kvoffload::plan::{Direction, Step};
 use kvoffload::scheduler::{
-    DeferReason, JobKind, JobReport, Match, Recompute, ScheduledRequest, Scheduler,
-    SchedulerConfig, Step,
+    DeferReason, JobReport, Match, Recompute, ScheduledRequest, Scheduler, SchedulerConfig,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -166,7 +166,7 @@ struct HReq {
 
 #[derive(Debug)]
 struct HJob {
-    kind: JobKind,
+    kind: Direction,
     req: u64,
     /// Made before a reset: the scheduler forgot it.
     stale: bool,
@@ -186,6 +186,9 @@ struct HJob {
     keys: Vec<u64>,
     /// Loads: (GPU-hit tokens, hit tokens).
     range: (u64, u64),
+    /// Loads: its request gave the GPU blocks back (aborted or preempted) and no longer waits
+    /// for it.
+    orphan: bool,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -219,6 +222,12 @@ struct Coverage {
     failed_loads: u64,
     failed_stores: u64,
     aborted_loads: u64,
+    /// Loads withdrawn before they shipped (request aborted or preempted first).
+    withdrawn_loads: u64,
+    /// Loading requests preempted after their load shipped.
+    preempted_loads: u64,
+    /// Loads of requests that gave their blocks back, flushed because a block was reused.
+    load_fence_flushes: u64,
     loads_run: u64,
     partial_first_chunk_loads: u64,
     store_chunks_run: u64,
@@ -236,6 +245,10 @@ struct Params {
     store_threshold: u32,
     /// The host may call `on_alloc` some operations after the match instead of right after it.
     split: bool,
+    /// The host frees an aborted loading request's GPU blocks at once (as a host that reads
+    /// only the header may, relying on the reuse fence), instead of keeping them until the
+    /// load is done (as vLLM's core does).
+    eager_free: bool,
 }
 
 struct Sim {
@@ -243,6 +256,7 @@ struct Sim {
     f: u64,
     obs: u64,
     split: bool,
+    eager_free: bool,
     s: Scheduler,
     step: Step,
     step_no: u64,
@@ -297,6 +311,7 @@ impl Sim {
             f: p.factor as u64,
             obs: GBS * p.factor as u64,
             split: p.split,
+            eager_free: p.eager_free,
             s,
             step: Step::new(),
             step_no: 0,
@@ -387,13 +402,13 @@ impl Sim {
         for (id, j) in self.jobs.iter().filter(|(_, j)| !j.stale) {
             let e = per_req.entry(j.req).or_default();
             match j.kind {
-                JobKind::Load => {
+                Direction::Load => {
                     loads += 1;
                     e.0 += 1;
                     // Keys shared by two loads are `check_invariants`'s to judge.
                     load_keys.extend(&j.keys);
                 }
-                JobKind::Store => {
+                Direction::Store => {
                     stores += 1;
                     e.1 += 1;
                     for &k in &j.keys {
@@ -502,11 +517,26 @@ impl Sim {
         let res = self.s.finish_request(id);
         self.note(format!("finish_request({id}) -> {res:?}"));
         self.ok("finish_request", res)?;
-        let r = self.reqs.get_mut(&id).unwrap();
-        if let St::Loading(j) = r.st {
+        let unshipped = self.host_jobs(id).into_iter().find(|j| {
+            let j = &self.jobs[j];
+            j.kind == Direction::Load && j.step.is_none()
+        });
+        if let Some(j) = unshipped {
+            // Not shipped yet: the scheduler withdraws it, so the blocks are free at once.
+            self.withdraw(j);
+        }
+        let load = match self.reqs[&id].st {
+            St::Loading(j) => self.jobs.get(&j).map(|job| (j, job.step.is_some())),
+            _ => None,
+        };
+        if let (Some((j, true)), false) = (load, self.eager_free) {
             // The core keeps the blocks of an aborted loading request until its load is done.
-            r.st = St::Aborted(j);
+            self.reqs.get_mut(&id).unwrap().st = St::Aborted(j);
         } else {
+            if let Some((j, true)) = load {
+                // The host frees the blocks now: the fence must hold their reuse.
+                self.jobs.get_mut(&j).unwrap().orphan = true;
+            }
             let r = self.reqs.remove(&id).unwrap();
             self.free.extend(r.blocks);
             self.preempt_next.retain(|&p| p != id);
@@ -514,7 +544,23 @@ impl Sim {
         self.check()
     }
 
+    /// The scheduler withdrew load `j` before it shipped: it never runs and is never reported.
+    fn withdraw(&mut self, j: u64) {
+        self.jobs.remove(&j);
+        self.cov.withdrawn_loads += 1;
+        self.note(format!("(host) load {j} withdrawn"));
+    }
+
     fn preempt_host(&mut self, id: u64) {
+        let r = self.reqs.get_mut(&id).unwrap();
+        if let St::Loading(j) = r.st {
+            // A shipped load keeps running: it is flushed by the step that names the preemption.
+            // One not shipped yet is withdrawn by that step.
+            if let Some(job) = self.jobs.get_mut(&j) {
+                job.orphan = true;
+                self.cov.preempted_loads += job.step.is_some() as u64;
+            }
+        }
         let r = self.reqs.get_mut(&id).unwrap();
         r.st = St::Waiting;
         r.nc = 0;
@@ -535,7 +581,7 @@ impl Sim {
         let (kind, req, block_index) = (j.kind, j.req, j.block_index as usize);
         let (src, dst, expected) = (j.src.clone(), j.dst.clone(), j.expected.clone());
         match kind {
-            JobKind::Store => {
+            Direction::Store => {
                 for (s, &slot) in dst.iter().enumerate() {
                     let mut c = Vec::with_capacity(f);
                     for u in 0..f {
@@ -556,7 +602,7 @@ impl Sim {
                     self.slots.insert(slot, c);
                 }
             }
-            JobKind::Load => {
+            Direction::Load => {
                 let m = self.meta[&req];
                 let skip = block_index % f;
                 self.cov.loads_run += 1;
@@ -609,11 +655,15 @@ impl Sim {
         if failed && !j.stale {
             self.exp.failed_jobs += 1;
             match j.kind {
-                JobKind::Load => self.cov.failed_loads += 1,
-                JobKind::Store => self.cov.failed_stores += 1,
+                Direction::Load => self.cov.failed_loads += 1,
+                Direction::Store => self.cov.failed_stores += 1,
             }
         }
-        if j.kind == JobKind::Store {
+        if j.kind == Direction::Store {
+            return Ok(());
+        }
+        if j.orphan {
+            self.cov.aborted_loads += 1;
             return Ok(());
         }
         let st = self.reqs.get(&j.req).map(|r| r.st);
@@ -802,18 +852,23 @@ impl Sim {
             if let Some(r) = self.reqs.get_mut(&p) {
                 r.preempt_pending = false;
             }
+            for j in self.host_jobs(p) {
+                if self.jobs[&j].kind == Direction::Load && self.jobs[&j].step.is_none() {
+                    self.withdraw(j);
+                }
+            }
         }
 
         // Jobs of the step.
         let mut pending: BTreeSet<u64> = self
             .jobs
             .iter()
-            .filter(|(_, j)| j.kind == JobKind::Load && j.step.is_none())
+            .filter(|(_, j)| j.kind == Direction::Load && j.step.is_none())
             .map(|(&k, _)| k)
             .collect();
         let mut slots_in_use: HashSet<u32> = HashSet::new();
         for j in self.jobs.values().filter(|j| !j.stale && j.step.is_some()) {
-            slots_in_use.extend(if j.kind == JobKind::Load {
+            slots_in_use.extend(if j.kind == Direction::Load {
                 &j.src
             } else {
                 &j.dst
@@ -822,7 +877,7 @@ impl Sim {
         for d in step.jobs() {
             let (src, dst) = (step.src(d).to_vec(), step.dst(d).to_vec());
             match d.kind {
-                JobKind::Load => {
+                Direction::Load => {
                     ensure!(
                         self,
                         pending.remove(&d.id),
@@ -839,7 +894,7 @@ impl Sim {
                             && d.block_index as usize == lo
                             && dst == r.blocks[lo..hi]
                             && src.len() as u64 == (c + n).div_ceil(obs) - lo as u64 / f
-                            && d.group_size as usize == dst.len(),
+                            && d.num_gpu_blocks as usize == dst.len(),
                         "step {m}: load job {} of request {} (hit {c}+{n}, blocks {:?}) has block_index {}, src {src:?}, dst {dst:?}",
                         d.id,
                         j.req,
@@ -860,7 +915,7 @@ impl Sim {
                     j.dst = dst;
                     j.block_index = d.block_index;
                 }
-                JobKind::Store => {
+                Direction::Store => {
                     let id = d.request_id;
                     ensure!(
                         self,
@@ -877,7 +932,7 @@ impl Sim {
                     let has_load = self
                         .host_jobs(id)
                         .iter()
-                        .any(|j| self.jobs[j].kind == JobKind::Load);
+                        .any(|j| self.jobs[j].kind == Direction::Load);
                     ensure!(
                         self,
                         !has_load,
@@ -898,7 +953,7 @@ impl Sim {
                         self,
                         !dst.is_empty()
                             && src.len() == dst.len() * f as usize
-                            && d.group_size as usize == src.len(),
+                            && d.num_gpu_blocks as usize == src.len(),
                         "step {m}: store job {} has src {src:?}, dst {dst:?}",
                         d.id
                     );
@@ -953,7 +1008,7 @@ impl Sim {
                     self.jobs.insert(
                         d.id,
                         HJob {
-                            kind: JobKind::Store,
+                            kind: Direction::Store,
                             req: id,
                             stale: false,
                             step: Some(m),
@@ -967,6 +1022,7 @@ impl Sim {
                             expected,
                             keys,
                             range: (0, 0),
+                            orphan: false,
                         },
                     );
                 }
@@ -998,22 +1054,42 @@ impl Sim {
                 "step {m}: job {j} in flight at the reset not flushed"
             );
         }
-        let mut fence = 0;
+        // The reuse fence: a shipped job whose request gave its GPU blocks back (finished,
+        // aborted, preempted), not flushed before, must be flushed by the step that reallocates
+        // one of them.
+        let (mut fence, mut load_fence) = (0, 0);
         for (&jid, j) in &self.jobs {
-            if j.stale || j.kind != JobKind::Store || self.live(j.req) {
+            let released = match j.kind {
+                Direction::Store => !self.live(j.req),
+                Direction::Load => j.orphan,
+            };
+            if j.stale || !released || j.step.is_none() || j.flushed_at.is_some() {
                 continue;
             }
-            if let Some(b) = j.src.iter().find(|b| self.allocated_since_step.contains(b)) {
+            let touched = if j.kind == Direction::Load {
+                &j.dst
+            } else {
+                &j.src
+            };
+            if let Some(b) = touched
+                .iter()
+                .find(|b| self.allocated_since_step.contains(b))
+            {
                 ensure!(
                     self,
                     flush.contains(&jid),
-                    "step {m}: store {jid} of finished request {} reads GPU block {b}, reallocated, but is not flushed",
+                    "step {m}: {:?} {jid} of request {} (given back) touches GPU block {b}, reallocated, but is not flushed",
+                    j.kind,
                     j.req
                 );
-                fence += 1;
+                match j.kind {
+                    Direction::Store => fence += 1,
+                    Direction::Load => load_fence += 1,
+                }
             }
         }
         self.cov.fence_flushes += fence;
+        self.cov.load_fence_flushes += load_fence;
         for &id in &flush {
             ensure!(
                 self,
@@ -1287,7 +1363,7 @@ impl Sim {
                 self.jobs.insert(
                     j,
                     HJob {
-                        kind: JobKind::Load,
+                        kind: Direction::Load,
                         req: id,
                         stale: false,
                         step: None,
@@ -1301,6 +1377,7 @@ impl Sim {
                         expected: Vec::new(),
                         keys,
                         range: (c, n),
+                        orphan: false,
                     },
                 );
                 let r = self.reqs.get_mut(&id).unwrap();
@@ -1431,10 +1508,12 @@ impl Sim {
     }
 
     fn op_preempt(&mut self, rng: &mut Rng) -> R {
+        // Now and then a loading request: its blocks go back while its load may be in flight.
+        let loading = rng.chance(1, 3);
         let cands: Vec<u64> = self
             .reqs
             .iter()
-            .filter(|(_, r)| r.st == St::Running)
+            .filter(|(_, r)| r.st == St::Running || (loading && matches!(r.st, St::Loading(_))))
             .map(|(&k, _)| k)
             .collect();
         if let Some(id) = rng.pick(&cands) {
@@ -1463,7 +1542,7 @@ impl Sim {
         let unshipped = self
             .jobs
             .values()
-            .any(|j| j.kind == JobKind::Load && j.step.is_none());
+            .any(|j| j.kind == Direction::Load && j.step.is_none());
         let res = self.s.reset();
         self.note(format!("reset() -> {res:?}"));
         match res {
@@ -1584,6 +1663,7 @@ fn params(split: bool) -> impl Strategy<Value = Params> {
         12u32..48,
         any::<bool>(),
         prop_oneof![3 => Just(0u32), 1 => Just(2u32)],
+        any::<bool>(),
     )
         .prop_map(
             move |(
@@ -1595,6 +1675,7 @@ fn params(split: bool) -> impl Strategy<Value = Params> {
                 gpu_blocks,
                 events,
                 store_threshold,
+                eager_free,
             )| Params {
                 factor,
                 num_slots,
@@ -1605,6 +1686,7 @@ fn params(split: bool) -> impl Strategy<Value = Params> {
                 events,
                 store_threshold,
                 split,
+                eager_free,
             },
         )
 }
@@ -1657,6 +1739,7 @@ fn the_simulation_reaches_the_interesting_states() {
             events: g.chance(1, 2),
             store_threshold: if g.chance(1, 4) { 2 } else { 0 },
             split: false,
+            eager_free: g.chance(1, 2),
         };
         let ops: Vec<(u8, u32)> = (0..200)
             .map(|_| (g.below(100) as u8, g.next() as u32))
@@ -1671,7 +1754,7 @@ fn the_simulation_reaches_the_interesting_states() {
         }
         add!(cov, c: window_defers, preempt_flushes, forced_preemptions, fence_flushes, resets,
             resets_after_building, stale_reports, split_reports, failed_loads, failed_stores,
-            aborted_loads, loads_run, partial_first_chunk_loads, store_chunks_run);
+            aborted_loads, withdrawn_loads, preempted_loads, load_fence_flushes, loads_run, partial_first_chunk_loads, store_chunks_run);
         add!(stats, e: matches, deferred_jobs_in_flight, deferred_store_in_flight,
             deferred_being_loaded, hits, hit_tokens, load_jobs, store_jobs, stored_chunks,
             failed_jobs);
@@ -1739,7 +1822,7 @@ impl Det {
         self.step.clone()
     }
 
-    fn ids(step: &Step, kind: JobKind) -> Vec<u64> {
+    fn ids(step: &Step, kind: Direction) -> Vec<u64> {
         step.jobs()
             .iter()
             .filter(|j| j.kind == kind)
@@ -1783,7 +1866,7 @@ fn race_46014(sync: bool, workers: u32) {
     assert_eq!(d.matched(1, 0), Match::Miss);
     assert_eq!(d.s.on_alloc(1, &r_blocks, 0).unwrap(), None);
     let st = d.build(&[sched(1, 0, 36, 36, &r_blocks)], &[]);
-    let p = Det::ids(&st, JobKind::Store);
+    let p = Det::ids(&st, Direction::Store);
     assert_eq!(p.len(), 1, "R stores chunks 0..3 in one job");
 
     let q_blocks: Vec<u32> = (20..32).collect();
@@ -1792,7 +1875,7 @@ fn race_46014(sync: bool, workers: u32) {
     assert_eq!(d.matched(2, 36), Match::Miss);
     d.s.on_alloc(2, &q_blocks, 0).unwrap();
     let st = d.build(&[sched(2, 36, 12, 48, &q_blocks)], &[]);
-    let q = Det::ids(&st, JobKind::Store);
+    let q = Det::ids(&st, Direction::Store);
     assert_eq!(
         st.src(&st.jobs()[0]),
         &[29, 30, 31],
@@ -1853,7 +1936,7 @@ fn race_46014(sync: bool, workers: u32) {
     let job = d.s.on_alloc(1, &load_blocks, 12).unwrap().unwrap();
     d.check();
     let st = d.build(&[], &[]);
-    assert_eq!(Det::ids(&st, JobKind::Load), vec![job]);
+    assert_eq!(Det::ids(&st, Direction::Load), vec![job]);
     let l = st.jobs()[0];
     assert_eq!(l.block_index, 9);
     assert_eq!(st.dst(&l), &[49, 50, 51]);
@@ -1916,7 +1999,7 @@ fn reset_does_not_defer_forever() {
     assert_eq!(d.matched(1, 0), Match::Miss);
     d.s.on_alloc(1, &b, 0).unwrap();
     let st = d.build(&[sched(1, 0, 24, 24, &b)], &[]);
-    let p = Det::ids(&st, JobKind::Store);
+    let p = Det::ids(&st, Direction::Store);
     d.report(&p); // one worker of two
     let st = d.build(&[], &[1]);
     assert_eq!(st.flush(), &p[..]);
@@ -1953,7 +2036,7 @@ fn two_matches_then_two_allocs_do_not_load_one_prefix_twice() {
     assert_eq!(d.matched(1, 0), Match::Miss);
     d.s.on_alloc(1, &b, 0).unwrap();
     let st = d.build(&[sched(1, 0, 24, 24, &b)], &[]);
-    d.report(&Det::ids(&st, JobKind::Store));
+    d.report(&Det::ids(&st, Direction::Store));
     d.s.finish_request(1).unwrap();
     for id in [2, 3] {
         d.s.add_request(id, 25, None).unwrap();

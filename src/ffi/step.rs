@@ -3,22 +3,15 @@
 use super::{
     Failure, free_handle, give, guard, handle, kvo_status, lock, non_null, slice, slice_mut, write,
 };
-use crate::scheduler::{JobDesc, JobKind, Step};
+use crate::plan::{JobDesc, Step};
 use std::sync::{Mutex, MutexGuard};
 
 /// Version of the encoding written by `kvo_step_encode`; `kvo_step_decode` rejects others.
 pub const KVO_STEP_FORMAT_VERSION: u16 = 1;
-const _: () = assert!(KVO_STEP_FORMAT_VERSION == crate::scheduler::FORMAT_VERSION);
+const _: () = assert!(KVO_STEP_FORMAT_VERSION == crate::plan::FORMAT_VERSION);
 
-/// Directions of a job (`kvo_job_info.kind`).
-#[repr(u32)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum kvo_job_kind {
-    /// Host slots → GPU blocks.
-    Load = 0,
-    /// GPU blocks → host slots.
-    Store = 1,
-}
+/// The step plan's [`crate::plan::Direction`], named for C (cbindgen renames it).
+pub use crate::plan::Direction as kvo_job_kind;
 
 /// A step plan: filled by `kvo_scheduler_build_step` or `kvo_step_decode`. Opaque.
 pub struct kvo_step {
@@ -65,7 +58,7 @@ pub struct kvo_job_info {
     pub request_id: u64,
     /// A `kvo_job_kind` value.
     pub kind: u32,
-    /// GPU blocks copied.
+    /// GPU blocks the job copies (`block_size_factor` of them fill one host slot).
     pub group_size: u32,
     /// Logical index within the request of the first GPU block copied; for loads
     /// `block_index % block_size_factor` leading GPU blocks of the first host slot are skipped.
@@ -84,11 +77,8 @@ fn job_info(s: &Step, j: &JobDesc) -> kvo_job_info {
     kvo_job_info {
         id: j.id,
         request_id: j.request_id,
-        kind: match j.kind {
-            JobKind::Load => kvo_job_kind::Load,
-            JobKind::Store => kvo_job_kind::Store,
-        } as u32,
-        group_size: j.group_size,
+        kind: j.kind as u32,
+        group_size: j.num_gpu_blocks,
         block_index: j.block_index,
         reserved: 0,
         n_src: s.src(j).len(),

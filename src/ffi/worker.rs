@@ -4,7 +4,7 @@ use super::{
     Failure, copy_c_string, free_handle, give, guard, handle, kvo_status, kvo_step, lock, non_null,
     read_config, slice, slice_mut, write,
 };
-use crate::scheduler::JobKind;
+use crate::plan::Direction;
 use crate::transfer::{BackendKind, Completion, JobBlocks, KvTensor, Worker, WorkerConfig};
 use std::collections::VecDeque;
 use std::ffi::{c_char, c_void};
@@ -259,11 +259,8 @@ pub unsafe extern "C" fn kvo_worker_submit_job(
     compute_stream: u64,
 ) -> kvo_status {
     guard(|| {
-        let kind = match kind {
-            0 => JobKind::Load,
-            1 => JobKind::Store,
-            k => return Err(Failure::invalid(format!("kind: {k} is not a kvo_job_kind"))),
-        };
+        let kind = Direction::from_u32(kind)
+            .ok_or_else(|| Failure::invalid(format!("kind: {kind} is not a kvo_job_kind")))?;
         // SAFETY: forwarded from the caller.
         let src = unsafe { slice(src, n_src, "src") }?;
         // SAFETY: forwarded from the caller.

@@ -1,134 +1,32 @@
-//! A step plan: the load and store jobs the workers execute this step and the jobs they must
-//! wait for (flush) before the forward pass; and its versioned binary encoding for shipping the
-//! plan to worker processes.
+//! The step plan's byte format (version [`FORMAT_VERSION`]), for shipping a plan to workers in
+//! other processes. Specified, with an example, in `docs/step-format.md`:
+//!
+//! | field | type | encoding | meaning |
+//! |---|---|---|---|
+//! | magic | 4 bytes | `KVOS` | a kvoffload step plan |
+//! | version | u16 | little-endian | [`FORMAT_VERSION`]; a decoder reads only its own |
+//! | block_size_factor | u32 | varint | GPU blocks per host slot |
+//! | n_jobs | count | varint | jobs that follow |
+//! | job.id | u64 | varint | job id |
+//! | job.kind | u32 | varint | 0 load, 1 store ([`Direction`]) |
+//! | job.request_id | u64 | varint | the job's request |
+//! | job.block_index | u32 | varint | logical index of the first GPU block copied |
+//! | job.n_src, job.src | count, u32 each | varints | source block ids |
+//! | job.n_dst, job.dst | count, u32 each | varints | destination block ids |
+//! | n_flush, flush | count, u64 each | varints | the flush set, ascending |
+//! | crc | u32 | little-endian | CRC-32 (IEEE) of every byte before it |
+//!
+//! A varint is unsigned LEB128: 7 bits per byte, least significant group first, the high bit
+//! set on every byte but the last. The decoder accepts only canonical varints (no final `0x00`
+//! group after the first byte) of at most 10 bytes whose value fits 64 bits (a 10th byte is `0x01`
+//! at most) and the field's type; a count may not exceed the bytes left; nothing may follow the
+//! CRC. Any other byte string is [`Error::CorruptData`]. A change of the format bumps the version.
 
+use super::{Direction, Step};
 use crate::error::{Error, Result};
 
-/// Direction of a job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum JobKind {
-    /// Host slots → GPU blocks.
-    Load = 0,
-    /// GPU blocks → host slots.
-    Store = 1,
-}
-
-/// One job of a step. Its block ids are ranges of the step's block arena (see [`Step::src`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct JobDesc {
-    /// Job id, unique for the scheduler's lifetime.
-    pub id: u64,
-    /// Direction.
-    pub kind: JobKind,
-    /// The request the job belongs to.
-    pub request_id: u64,
-    /// GPU blocks copied (one per GPU block; a host slot holds `block_size_factor` of them).
-    pub group_size: u32,
-    /// Logical index, within the request, of the first GPU block copied. For loads,
-    /// `block_index % block_size_factor` sub-blocks of the first host slot are skipped (a partial
-    /// first chunk); stores always start on a chunk boundary.
-    pub block_index: u32,
-    src: (u32, u32),
-    dst: (u32, u32),
-}
-
-/// A step plan. Reused across steps: building into it does not allocate once warm.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Step {
-    /// GPU blocks per host slot.
-    pub block_size_factor: u32,
-    jobs: Vec<JobDesc>,
-    blocks: Vec<u32>,
-    flush: Vec<u64>,
-}
-
 impl Step {
-    /// An empty plan.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    pub(crate) fn clear(&mut self, block_size_factor: u32) {
-        self.block_size_factor = block_size_factor;
-        self.jobs.clear();
-        self.blocks.clear();
-        self.flush.clear();
-    }
-
-    /// The jobs: loads first (in creation order), then stores.
-    pub fn jobs(&self) -> &[JobDesc] {
-        &self.jobs
-    }
-
-    /// Source block ids of `job` (host slots for a load, GPU block ids for a store).
-    pub fn src(&self, job: &JobDesc) -> &[u32] {
-        &self.blocks[job.src.0 as usize..job.src.1 as usize]
-    }
-
-    /// Destination block ids of `job` (GPU block ids for a load, host slots for a store).
-    pub fn dst(&self, job: &JobDesc) -> &[u32] {
-        &self.blocks[job.dst.0 as usize..job.dst.1 as usize]
-    }
-
-    /// Jobs the workers must finish before this step's forward pass (preempted requests' stores,
-    /// stores whose GPU blocks were reallocated, everything at a reset), ascending.
-    pub fn flush(&self) -> &[u64] {
-        &self.flush
-    }
-
-    /// Appends a job whose block ids are `src` and `dst`.
-    pub(crate) fn push_job(
-        &mut self,
-        id: u64,
-        kind: JobKind,
-        request_id: u64,
-        block_index: u32,
-        src: &[u32],
-        dst: &[u32],
-    ) {
-        let group_size = if kind == JobKind::Load {
-            dst.len()
-        } else {
-            src.len()
-        } as u32;
-        let s0 = self.blocks.len() as u32;
-        self.blocks.extend_from_slice(src);
-        let s1 = self.blocks.len() as u32;
-        self.blocks.extend_from_slice(dst);
-        let d1 = self.blocks.len() as u32;
-        self.jobs.push(JobDesc {
-            id,
-            kind,
-            request_id,
-            group_size,
-            block_index,
-            src: (s0, s1),
-            dst: (s1, d1),
-        });
-    }
-
-    /// Appends a job copied from another plan.
-    pub(crate) fn push_from(&mut self, other: &Step, job: &JobDesc) {
-        self.push_job(
-            job.id,
-            job.kind,
-            job.request_id,
-            job.block_index,
-            other.src(job),
-            other.dst(job),
-        );
-    }
-
-    pub(crate) fn set_flush(&mut self, ids: impl IntoIterator<Item = u64>) {
-        self.flush.clear();
-        self.flush.extend(ids);
-        self.flush.sort_unstable();
-        self.flush.dedup();
-    }
-
-    /// Encodes the plan: magic `KVOS`, format version, LEB128 varints, and a CRC-32 of everything
-    /// before it. `out` is cleared first.
+    /// Encodes the plan (format above). `out` is cleared first.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.clear();
         out.extend_from_slice(MAGIC);
@@ -185,11 +83,8 @@ impl Step {
         let mut dst = Vec::new();
         for _ in 0..n_jobs {
             let id = r.get()?;
-            let kind = match r.get()? {
-                0 => JobKind::Load,
-                1 => JobKind::Store,
-                k => return Err(corrupt(&format!("job kind {k}"))),
-            };
+            let k = r.u32()?;
+            let kind = Direction::from_u32(k).ok_or_else(|| corrupt(&format!("job kind {k}")))?;
             let request_id = r.get()?;
             let block_index = r.u32()?;
             for ids in [&mut src, &mut dst] {
@@ -229,21 +124,30 @@ struct Reader<'a> {
 }
 
 impl Reader<'_> {
+    /// A canonical varint of at most 10 bytes whose value fits 64 bits.
     fn get(&mut self) -> Result<u64> {
+        let corrupt =
+            |what: &str| Error::CorruptData(format!("step bytes: {what} at byte {}", self.at));
         let mut v = 0u64;
-        for shift in (0..64).step_by(7) {
-            let Some(&b) = self.bytes.get(self.at) else {
-                return Err(Error::CorruptData("step bytes: truncated varint".into()));
+        for i in 0..10 {
+            let Some(&b) = self.bytes.get(self.at + i) else {
+                return Err(corrupt("truncated varint"));
             };
-            self.at += 1;
-            v |= ((b & 0x7f) as u64) << shift;
+            if i == 9 && b > 1 {
+                return Err(corrupt(
+                    "varint beyond 64 bits (over 10 bytes, or a 10th byte above 1)",
+                ));
+            }
+            v |= ((b & 0x7f) as u64) << (7 * i);
             if b & 0x80 == 0 {
+                if b == 0 && i > 0 {
+                    return Err(corrupt("non-canonical varint (a redundant zero group)"));
+                }
+                self.at += i + 1;
                 return Ok(v);
             }
         }
-        Err(Error::CorruptData(
-            "step bytes: varint longer than 64 bits".into(),
-        ))
+        unreachable!("a 10th byte ends the varint or refuses it")
     }
 
     fn u32(&mut self) -> Result<u32> {
@@ -273,13 +177,13 @@ mod tests {
         s.clear(3);
         s.push_job(
             7,
-            JobKind::Load,
+            Direction::Load,
             42,
             4,
             &[9, 10],
             &[100, 101, 102, 103, 104],
         );
-        s.push_job(8, JobKind::Store, 1 << 40, 0, &[5, 6, 7], &[300_000]);
+        s.push_job(8, Direction::Store, 1 << 40, 0, &[5, 6, 7], &[300_000]);
         s.set_flush([3, 1, 3]);
         s
     }
@@ -295,10 +199,75 @@ mod tests {
         assert_eq!(d.flush(), &[1, 3]);
         let j = d.jobs()[0];
         assert_eq!(
-            (j.group_size, d.src(&j), d.dst(&j)),
+            (j.num_gpu_blocks, d.src(&j), d.dst(&j)),
             (5, &[9, 10][..], &[100, 101, 102, 103, 104][..])
         );
-        assert_eq!(d.jobs()[1].group_size, 3);
+        assert_eq!(d.jobs()[1].num_gpu_blocks, 3);
+    }
+
+    /// `sample()` encoded with the varint at body offset `at` (the block_size_factor, 3) replaced
+    /// by `varint`, the CRC recomputed.
+    fn with_factor_varint(varint: &[u8]) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        sample().encode(&mut bytes);
+        let mut b = bytes[..6].to_vec();
+        b.extend_from_slice(varint);
+        b.extend_from_slice(&bytes[7..bytes.len() - 4]);
+        let crc = crc32fast::hash(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    fn corrupt(bytes: &[u8]) -> String {
+        match Step::new().decode(bytes) {
+            Err(Error::CorruptData(m)) => m,
+            other => panic!("decode of {bytes:02x?}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn decode_reads_only_canonical_varints() {
+        let mut d = Step::new();
+        d.decode(&with_factor_varint(&[3])).unwrap();
+        assert_eq!(d, sample());
+        // 3 as two or three bytes (redundant zero groups): refused.
+        assert!(corrupt(&with_factor_varint(&[0x83, 0x00])).contains("non-canonical"));
+        assert!(corrupt(&with_factor_varint(&[0x83, 0x80, 0x00])).contains("non-canonical"));
+        // A 10th byte carrying bits beyond 64, and an 11-byte varint: refused.
+        let mut over = [0xff; 10];
+        over[9] = 0x02;
+        assert!(corrupt(&with_factor_varint(&over)).contains("beyond 64 bits"));
+        let mut long = [0x80; 11];
+        long[10] = 0x01;
+        assert!(corrupt(&with_factor_varint(&long)).contains("beyond 64 bits"));
+        // u64::MAX as a factor: a canonical varint, but not a u32.
+        let mut max = [0xff; 10];
+        max[9] = 0x01;
+        assert!(corrupt(&with_factor_varint(&max)).contains("32 bits"));
+    }
+
+    #[test]
+    fn decode_rejects_trailing_bytes_and_unknown_kinds() {
+        let mut bytes = Vec::new();
+        sample().encode(&mut bytes);
+        // A byte after the body, the CRC recomputed over it.
+        let mut b = bytes[..bytes.len() - 4].to_vec();
+        b.push(0);
+        let crc = crc32fast::hash(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        assert!(corrupt(&b).contains("trailing bytes"));
+        // A byte after the CRC.
+        let mut b = bytes.clone();
+        b.push(0);
+        assert!(corrupt(&b).contains("checksum"));
+        // Job kind 2 (the first job's kind is body byte 9: magic 4, version 2, factor, n_jobs,
+        // id).
+        let mut b = bytes[..bytes.len() - 4].to_vec();
+        assert_eq!(b[9], 0);
+        b[9] = 2;
+        let crc = crc32fast::hash(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        assert!(corrupt(&b).contains("job kind 2"));
     }
 
     #[test]
@@ -306,7 +275,7 @@ mod tests {
         let mut bytes = Vec::new();
         sample().encode(&mut bytes);
         let mut d = sample();
-        d.push_job(99, JobKind::Load, 0, 0, &[], &[]);
+        d.push_job(99, Direction::Load, 0, 0, &[], &[]);
         let before = d.clone();
         for n in 0..bytes.len() {
             assert!(
