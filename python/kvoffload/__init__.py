@@ -213,7 +213,11 @@ class Manager(_Handle):
         h = self._h
         if h is None:
             raise self._closed_error()
-        arg, n, keep = keys_arg(keys, self.key_len)
+        kl = self.key_len
+        if type(keys) is bytes and not len(keys) % kl:  # the fast path: whole keys in bytes
+            arg, n, keep = keys, len(keys) // kl, None
+        else:
+            arg, n, keep = keys_arg(keys, kl)
         out = _Out()
         a = _addressof(out)
         st = _lookup_prefix(h, arg, n, a, a + 8)
@@ -228,7 +232,11 @@ class Manager(_Handle):
         h = self._h
         if h is None:
             raise self._closed_error()
-        arg, n, keep = keys_arg(keys, self.key_len)
+        kl = self.key_len
+        if type(keys) is bytes and not len(keys) % kl:  # the fast path: whole keys in bytes
+            arg, n, keep = keys, len(keys) // kl, None
+        else:
+            arg, n, keep = keys_arg(keys, kl)
         if out is None:
             res, addr = u32_zeros(n)
         else:
@@ -245,7 +253,11 @@ class Manager(_Handle):
         h = self._h
         if h is None:
             raise self._closed_error()
-        arg, n, keep = keys_arg(keys, self.key_len)
+        kl = self.key_len
+        if type(keys) is bytes and not len(keys) % kl:  # the fast path: whole keys in bytes
+            arg, n, keep = keys, len(keys) // kl, None
+        else:
+            arg, n, keep = keys_arg(keys, kl)
         st = _touch(h, arg, n)
         if st:
             raise _failure(st)
@@ -255,7 +267,11 @@ class Manager(_Handle):
         h = self._h
         if h is None:
             raise self._closed_error()
-        arg, n, keep = keys_arg(keys, self.key_len)
+        kl = self.key_len
+        if type(keys) is bytes and not len(keys) % kl:  # the fast path: whole keys in bytes
+            arg, n, keep = keys, len(keys) // kl, None
+        else:
+            arg, n, keep = keys_arg(keys, kl)
         st = _complete_load(h, arg, n)
         if st:
             raise _failure(st)
@@ -271,7 +287,10 @@ class Manager(_Handle):
         if h is None:
             raise self._closed_error()
         kl = self.key_len
-        arg, n, keep = keys_arg(keys, kl)
+        if type(keys) is bytes and not len(keys) % kl:  # the fast path: whole keys in bytes
+            arg, n, keep = keys, len(keys) // kl, None
+        else:
+            arg, n, keep = keys_arg(keys, kl)
         if out is not None:
             if type(out) is not StoreBuffers:
                 raise TypeError(f"out: expected StoreBuffers, got {type(out).__name__}")
@@ -308,7 +327,11 @@ class Manager(_Handle):
         h = self._h
         if h is None:
             raise self._closed_error()
-        arg, n, keep = keys_arg(keys, self.key_len)
+        kl = self.key_len
+        if type(keys) is bytes and not len(keys) % kl:  # the fast path: whole keys in bytes
+            arg, n, keep = keys, len(keys) // kl, None
+        else:
+            arg, n, keep = keys_arg(keys, kl)
         if slots is None:
             st = _complete_store(h, arg, n, 1 if success else 0)
         else:

@@ -163,12 +163,20 @@ def _int_list(values, name, maximum):
 
 def u32_arg(values, name):
     """``(arg, n, keep)`` for ``uint32`` ids: a buffer of native ``uint32`` items (an
-    ``array('I')``, a numpy ``uint32`` array, ...) or a list / tuple / other iterable of ints."""
+    ``array('I')``, a numpy ``uint32`` array, ...) or a list / tuple / other iterable of ints
+    (other integer buffers are converted, each value checked)."""
+    if type(values) is array and values.typecode == "I":
+        # A private copy: the caller's array cannot be resized under the call.
+        a = array("I", values)
+        return (a.buffer_info()[0] if a else None), len(a), a
     return _ids_arg(values, name, "I", _U32_FORMATS, 4, _MAX_U32, "uint32")
 
 
 def u64_arg(values, name):
     """As :func:`u32_arg` for ``uint64`` ids (``array('Q')``, numpy ``uint64``)."""
+    if type(values) is array and values.typecode == "Q":
+        a = array("Q", values)
+        return (a.buffer_info()[0] if a else None), len(a), a
     return _ids_arg(values, name, "Q", _U64_FORMATS, 8, _MAX_U64, "uint64")
 
 
