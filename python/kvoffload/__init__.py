@@ -23,7 +23,7 @@ library's message. Keys are ``bytes`` of exactly ``key_len`` bytes.
 
 import ctypes
 from array import array
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 from . import _ffi
 from ._ffi import *  # noqa: F401,F403  (constants, enums, errors)
@@ -39,7 +39,7 @@ from ._ffi import (
     library_path,
     version,
 )
-from ._buffers import Keys, keys_arg, u32_arg, u32_out, u32_zeros
+from ._buffers import IdsLike, IdsOut, Keys, KeysLike, keys_arg, u32_arg, u32_out, u32_zeros
 from ._common import _take_events, _MAX_U32, _Handle, _MAX_U64, _POLICIES, Event, ManagerStats, _uint
 from ._scheduler import (
     Job,
@@ -102,7 +102,7 @@ class StoreBuffers:
     __slots__ = ("capacity", "key_len", "indices", "slots", "evicted", "n_store", "n_evicted",
                  "_counts", "_addr")
 
-    def __init__(self, capacity, key_len):
+    def __init__(self, capacity: int, key_len: int):
         self.capacity = _uint("capacity", capacity, _MAX_U32)
         self.key_len = _uint("key_len", key_len, _MAX_U32)
         self.indices = array("I", bytes(4 * self.capacity))
@@ -191,7 +191,7 @@ class Manager(_Handle):
 
     # -- operations -----------------------------------------------------------------------------
 
-    def lookup(self, key) -> Lookup:
+    def lookup(self, key: KeysLike) -> Lookup:
         """Looks one key up (bytes-like, ``key_len`` bytes): :class:`Lookup` ``HIT``, ``MISS`` or
         ``RETRY`` (store in flight). Counts the lookup for the store threshold; does not change
         recency."""
@@ -207,7 +207,7 @@ class Manager(_Handle):
             raise _failure(st)
         return _LOOKUPS[out[0]]
 
-    def lookup_prefix(self, keys) -> Tuple[int, bool]:
+    def lookup_prefix(self, keys: KeysLike) -> Tuple[int, bool]:
         """Number of leading stored keys, and whether the answer must be retried later
         (a key of that prefix has its store in flight)."""
         h = self._h
@@ -225,7 +225,7 @@ class Manager(_Handle):
             raise _failure(st)
         return out[0], out[1] != 0
 
-    def prepare_load(self, keys, out=None) -> array:
+    def prepare_load(self, keys: KeysLike, out: Optional[IdsOut] = None) -> array:
         """Pins ``keys`` for a load; returns their slots in input order (``array('I')``). With
         ``out`` (a writable ``uint32`` buffer of at least ``n`` entries) the slots are written
         there and ``out`` is returned."""
@@ -247,7 +247,7 @@ class Manager(_Handle):
             raise _failure(st)
         return res
 
-    def touch(self, keys):
+    def touch(self, keys: KeysLike) -> None:
         """Marks ``keys`` as used (LRU: the first key ends most recent). Unknown keys are
         ignored."""
         h = self._h
@@ -262,7 +262,7 @@ class Manager(_Handle):
         if st:
             raise _failure(st)
 
-    def complete_load(self, keys):
+    def complete_load(self, keys: KeysLike) -> None:
         """Releases one load pin of each key."""
         h = self._h
         if h is None:
@@ -276,7 +276,9 @@ class Manager(_Handle):
         if st:
             raise _failure(st)
 
-    def prepare_store(self, keys, out: Optional[StoreBuffers] = None) -> StorePlan:
+    def prepare_store(
+        self, keys: KeysLike, out: Optional[StoreBuffers] = None
+    ) -> Union[StorePlan, StoreBuffers]:
         """Reserves host slots for the keys not stored yet, evicting if needed; returns a
         :class:`StorePlan`. With ``out`` (a :class:`StoreBuffers` of this key length and enough
         capacity) the answer is written there instead and ``out`` is returned.
@@ -318,7 +320,9 @@ class Manager(_Handle):
         k = counts[0]
         return StorePlan(ids[:k], ids[n : n + k], Keys(evicted[: counts[1] * kl], kl))
 
-    def complete_store(self, keys, success=True, slots=None):
+    def complete_store(
+        self, keys: KeysLike, success: bool = True, slots: Optional[IdsLike] = None
+    ) -> None:
         """Ends the stores of ``keys``: success makes them ready, failure drops them.
 
         ``slots``: the slots ``prepare_store`` gave the keys (``plan.slots``: a ``uint32``
@@ -358,10 +362,10 @@ class Manager(_Handle):
             raise _failure(st)
         return s
 
-    def reset(self):
+    def reset(self) -> None:
         """Drops every key and frees every slot, without events. Cumulative counters are kept."""
         lib.kvo_manager_reset(self._handle())
 
-    def check_invariants(self):
+    def check_invariants(self) -> None:
         """Recounts the tier's state; raises :class:`InternalError` naming a broken invariant."""
         lib.kvo_manager_check_invariants(self._handle())

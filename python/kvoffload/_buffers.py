@@ -13,10 +13,19 @@ import ctypes
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import Any, Sequence as _Seq, Union
 
 from ctypes import c_char_p, c_int, c_ssize_t, c_void_p, py_object
 
-__all__ = ["Keys"]
+__all__ = ["Keys", "KeysLike", "IdsLike", "IdsOut"]
+
+#: A keys argument: one bytes-like object of ``n * key_len`` bytes (anything with the buffer
+#: protocol), or a sequence of ``key_len``-byte keys.
+KeysLike = Union[bytes, bytearray, memoryview, _Seq[bytes], Any]
+#: Ids: a buffer of ``uint32`` / ``uint64`` items (``array``, numpy) or a sequence of ints.
+IdsLike = Union[_Seq[int], Any]
+#: A writable buffer of ``uint32`` items for results (``array('I')``, numpy ``uint32``).
+IdsOut = Any
 
 assert array("I").itemsize == 4 and array("Q").itemsize == 8
 

@@ -24,10 +24,10 @@ import dataclasses
 import operator
 from array import array
 from itertools import chain
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence, Union
 
 from . import _ffi
-from ._buffers import keys_arg, u32_arg, u64_arg
+from ._buffers import IdsLike, KeysLike, keys_arg, u32_arg, u64_arg
 from ._common import _take_events, _MAX_U32, _MAX_U64, Event, ManagerStats, _Handle, _Stats, _policy, _uint
 from ._ffi import (
     KVO_NO_LIMIT,
@@ -314,7 +314,7 @@ class Step(_Handle):
             return bytes(buf[: n.value]) if buf is not None else b""
 
     @classmethod
-    def decode(cls, data, into: Optional["Step"] = None) -> "Step":
+    def decode(cls, data: KeysLike, into: Optional["Step"] = None) -> "Step":
         """A plan decoded from bytes made by :meth:`encode`. With ``into``, that plan is replaced
         (and returned) instead of a new one being made; on failure it is left unchanged.
 
@@ -398,7 +398,9 @@ class Scheduler(_Handle):
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id, prompt_tokens, max_offload_tokens=None):
+    def add_request(
+        self, request_id: int, prompt_tokens: int, max_offload_tokens: Optional[int] = None
+    ) -> None:
         """Starts tracking a request of ``prompt_tokens`` tokens; ``max_offload_tokens`` caps
         the tokens offloaded for it (None: no cap; 0: nothing is offloaded).
 
@@ -414,7 +416,7 @@ class Scheduler(_Handle):
         )
         lib.kvo_scheduler_add_request(h, rid, n, cap)
 
-    def append_block_hashes(self, request_id, hashes, num_tokens):
+    def append_block_hashes(self, request_id: int, hashes: KeysLike, num_tokens: int) -> None:
         """Appends block hashes (one ``key_len``-byte hash per newly full GPU block) and sets the
         request's token count to ``num_tokens``.
 
@@ -431,7 +433,7 @@ class Scheduler(_Handle):
         if st:
             raise _failure(st)
 
-    def match(self, request_id, num_computed_tokens) -> MatchResult:
+    def match(self, request_id: int, num_computed_tokens: int) -> MatchResult:
         """Matches a waiting request against the tier; ``num_computed_tokens`` are its GPU
         prefix-cache hit tokens. While the request has jobs in flight the answer is DEFER
         (``DeferReason.JOBS_IN_FLIGHT``) and nothing is looked up.
@@ -455,7 +457,9 @@ class Scheduler(_Handle):
             MatchResult, (_MATCHES[out.kind], out.tokens, _DEFER_REASONS[out.defer_reason])
         )
 
-    def on_alloc(self, request_id, block_ids, num_external_tokens) -> Optional[int]:
+    def on_alloc(
+        self, request_id: int, block_ids: IdsLike, num_external_tokens: int
+    ) -> Optional[int]:
         """Records the GPU blocks allocated to a matched request (all of its blocks) and, with
         ``num_external_tokens > 0`` (the hit), makes its load job for the next step. Returns the
         load job's id, or None without a load.
@@ -478,7 +482,12 @@ class Scheduler(_Handle):
             raise _failure(st)
         return out[1] if out[0] else None
 
-    def build_step(self, scheduled=(), preempted=(), step: Optional[Step] = None) -> Step:
+    def build_step(
+        self,
+        scheduled: Sequence[Union[ScheduledRequest, tuple]] = (),
+        preempted: IdsLike = (),
+        step: Optional[Step] = None,
+    ) -> Step:
         """Builds this step's plan: the load jobs made since the last step, the store jobs of the
         ``scheduled`` requests' newly complete chunks (a list of :class:`ScheduledRequest` or of
         tuples of its fields), and the flush set (jobs of the ``preempted`` request ids, fenced
@@ -529,14 +538,14 @@ class Scheduler(_Handle):
 
     def build_step_arrays(
         self,
-        request_ids,
-        num_computed_tokens,
-        num_scheduled_tokens,
-        num_tokens,
-        n_new_block_ids,
-        new_block_ids=(),
-        resumed=None,
-        preempted=(),
+        request_ids: IdsLike,
+        num_computed_tokens: IdsLike,
+        num_scheduled_tokens: IdsLike,
+        num_tokens: IdsLike,
+        n_new_block_ids: IdsLike,
+        new_block_ids: IdsLike = (),
+        resumed: Optional[KeysLike] = None,
+        preempted: IdsLike = (),
         step: Optional[Step] = None,
     ) -> Step:
         """:meth:`build_step` with the scheduled batch as arrays (one library call, no Python
@@ -583,7 +592,7 @@ class Scheduler(_Handle):
             raise err
         return out
 
-    def complete_jobs(self, reports):
+    def complete_jobs(self, reports: Any) -> None:
         """Counts worker reports: each a :class:`JobReport`, a ``(job_id, count, success)``
         tuple, or a bare job id (one successful report). A job completes once ``num_workers``
         reports arrived (failed if any failed).
@@ -622,7 +631,7 @@ class Scheduler(_Handle):
         if st:
             raise _failure(st)
 
-    def finish_request(self, request_id):
+    def finish_request(self, request_id: int) -> None:
         """Finishes or aborts a request (its state is kept until its jobs complete).
 
         Raises :class:`NotFoundError` for an unknown request, :class:`InvalidStateError` if it
@@ -635,7 +644,7 @@ class Scheduler(_Handle):
         if st:
             raise _failure(st)
 
-    def load_failure(self, request_id) -> Optional[Recompute]:
+    def load_failure(self, request_id: int) -> Optional[Recompute]:
         """The tokens ``(from_token, to_token)`` the request must recompute because its last
         load failed, or None. Reported until the request's next match."""
         h = self._handle()
@@ -649,7 +658,7 @@ class Scheduler(_Handle):
 
     # -- whole scheduler ------------------------------------------------------------------------
 
-    def reset(self):
+    def reset(self) -> None:
         """Drops the whole tier: in-flight jobs go into the next step's flush set and their
         later reports are ignored. Raises :class:`InvalidStateError` while load jobs made since
         the last step are not in a step yet."""
@@ -671,7 +680,7 @@ class Scheduler(_Handle):
             raise _failure(st)
         return s
 
-    def check_invariants(self):
+    def check_invariants(self) -> None:
         """Recounts the scheduler's and tier's state; raises :class:`InternalError` naming a
         broken invariant."""
         lib.kvo_scheduler_check_invariants(self._handle())

@@ -27,12 +27,12 @@ import dataclasses
 import weakref
 from array import array
 from collections.abc import Sequence
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from . import _ffi
 from ._common import _MAX_U32, _MAX_U64, _Handle, _uint
 from ._ffi import Backend, JobKind, NotFoundError, lib
-from ._buffers import u32_arg, u64_arg
+from ._buffers import IdsLike, u32_arg, u64_arg
 from ._scheduler import Step, _seq, _u64
 
 _fast = _ffi.fast
@@ -84,7 +84,9 @@ class KvTensor:
     keepalive: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_buffer(cls, buf, num_blocks, block_stride, page_size, offset=0) -> "KvTensor":
+    def from_buffer(
+        cls, buf: Any, num_blocks: int, block_stride: int, page_size: int, offset: int = 0
+    ) -> "KvTensor":
         """A host tensor over a writable Python buffer (``bytearray``, ``ctypes`` array,
         ``mmap``, ...) starting ``offset`` bytes in; the buffer is kept alive by the worker.
 
@@ -315,7 +317,7 @@ class Worker(_Handle):
         self.backend = Backend(cfg.backend)
         self.device = cfg.device
 
-    def close(self):
+    def close(self) -> None:
         """Finishes the jobs in flight and frees the worker and its host tier, at once or, while
         views from :meth:`host_buffer` (or slices of them) are still referenced, when the last
         of them goes: no view can outlive the memory it shows. Safe to call more than once."""
@@ -335,7 +337,15 @@ class Worker(_Handle):
 
     # -- jobs -----------------------------------------------------------------------------------
 
-    def submit_job(self, job_id, kind, src, dst, block_index=0, compute_stream=0):
+    def submit_job(
+        self,
+        job_id: int,
+        kind: Union[JobKind, int, str],
+        src: IdsLike,
+        dst: IdsLike,
+        block_index: int = 0,
+        compute_stream: int = 0,
+    ) -> None:
         """Submits one job. ``kind``: :class:`JobKind` (or ``"load"`` / ``"store"``); ``src`` /
         ``dst``: host slots → GPU blocks for a load, GPU blocks → host slots for a store (each a
         ``uint32`` buffer such as ``array('I')`` or a list of ints); ``block_index``: logical
@@ -366,7 +376,7 @@ class Worker(_Handle):
         if st:
             raise _failure(st)
 
-    def submit_step(self, step, compute_stream=0):
+    def submit_step(self, step: Step, compute_stream: int = 0) -> None:
         """Submits every job of a :class:`Step` (from :meth:`Scheduler.build_step` or
         :meth:`Step.decode`), loads first. Raises :class:`InvalidArgumentError` if the plan's
         block_size_factor differs from the worker's, :class:`InvalidStateError` if one of its
@@ -383,7 +393,7 @@ class Worker(_Handle):
         if st:
             raise _failure(st)
 
-    def poll(self, max=256) -> Completions:  # noqa: A002  (the documented name)
+    def poll(self, max: int = 256) -> Completions:  # noqa: A002  (the documented name)
         """Up to ``max`` finished jobs (per direction in submission order) as
         :class:`Completions`; the rest stay for the next call. Failed ones carry the library's
         message (``errors``, and :attr:`Completion.error`)."""
@@ -429,7 +439,7 @@ class Worker(_Handle):
             raise _failure(st)
         return buf.value.decode("utf-8", "replace")
 
-    def wait(self, job_ids, timeout_ms=None):
+    def wait(self, job_ids: Union[int, IdsLike], timeout_ms: Optional[int] = None) -> None:
         """Blocks until every listed job has finished (the flush before a forward pass); their
         completions stay for :meth:`poll`. ``job_ids``: a sequence of ids (or one id);
         ``timeout_ms``: None waits without limit.
@@ -448,7 +458,14 @@ class Worker(_Handle):
         if st:
             raise _failure(st)
 
-    def swap_blocks(self, src_tensor, dst_tensor, src_blocks, dst_blocks, job_id=None):
+    def swap_blocks(
+        self,
+        src_tensor: int,
+        dst_tensor: int,
+        src_blocks: IdsLike,
+        dst_blocks: IdsLike,
+        job_id: Optional[int] = None,
+    ) -> None:
         """Copies block ``src_blocks[i]`` of tensor ``src_tensor`` to block ``dst_blocks[i]`` of
         tensor ``dst_tensor`` (indices into the registration, equal page sizes). Without
         ``job_id`` it runs now; with one it is queued and reported by :meth:`poll`.
@@ -472,7 +489,7 @@ class Worker(_Handle):
 
     # -- host tier ------------------------------------------------------------------------------
 
-    def host_buffer_address(self, tensor) -> Tuple[int, int]:
+    def host_buffer_address(self, tensor: int) -> Tuple[int, int]:
         """``(address, length)`` of tensor ``tensor``'s host tier buffer (valid until
         :meth:`close`). Slot ``s``, sub-block ``j`` starts at ``address + s * page_size *
         block_size_factor + j * page_size``."""
@@ -483,7 +500,7 @@ class Worker(_Handle):
         lib.kvo_worker_get_host_buffer(h, t, ctypes.byref(p), ctypes.byref(n))
         return p.value or 0, n.value
 
-    def host_buffer(self, tensor) -> memoryview:
+    def host_buffer(self, tensor: int) -> memoryview:
         """Tensor ``tensor``'s host tier buffer as a writable byte memoryview. The view (and
         every slice of it) keeps the tier alive: after :meth:`close` the memory is freed only
         once the last of them is gone."""
@@ -492,7 +509,7 @@ class Worker(_Handle):
         mem.lifetime = self._life  # views hold `mem`, `mem` holds the worker
         return memoryview(mem).cast("B")
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         """Finishes every job in flight, then refuses new submissions
         (:class:`InvalidStateError`). Completions stay pollable."""
         lib.kvo_worker_shutdown(self._handle())
