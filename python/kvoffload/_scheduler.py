@@ -172,13 +172,6 @@ def _seq(name, value):
         raise TypeError(f"{name}: expected a sequence, got {type(value).__name__}") from None
 
 
-def _u32_array(name, values):
-    """A ctypes ``uint32_t[]`` of the checked ``values`` (None when empty) and its length."""
-    values = [_uint(f"{name}[{i}]", v, _MAX_U32) for i, v in enumerate(_seq(name, values))]
-    n = len(values)
-    return ((ctypes.c_uint32 * n)(*values) if n else None), n
-
-
 def _flag(name, value):
     if not isinstance(value, (bool, int)):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")

@@ -27,11 +27,11 @@ import dataclasses
 import weakref
 from array import array
 from collections.abc import Sequence
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 from . import _ffi
 from ._common import _MAX_U32, _MAX_U64, _Handle, _uint
-from ._ffi import Backend, JobKind, NotFoundError, lib
+from ._ffi import Backend, JobKind, lib
 from ._buffers import IdsLike, u32_arg, u64_arg
 from ._scheduler import Step, _seq, _u64
 

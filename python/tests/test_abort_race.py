@@ -6,7 +6,6 @@ load cannot overwrite the KV that request 3 computes into those blocks.
 """
 
 import ctypes
-import os
 import unittest
 
 

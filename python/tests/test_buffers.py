@@ -4,7 +4,6 @@ library never keeps a caller's buffer."""
 
 import ctypes
 import os
-import sys
 import tracemalloc
 import unittest
 from array import array

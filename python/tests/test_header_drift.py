@@ -11,7 +11,6 @@ and the constants are compared as well.
 import ctypes
 import os
 import re
-import sys
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -2,8 +2,6 @@
 size checks, NULL checks, BUFFER_TOO_SMALL sizes, last-error truncation, versioned structs."""
 
 import ctypes as C
-import os
-import sys
 import unittest
 
 

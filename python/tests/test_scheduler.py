@@ -6,9 +6,7 @@ the hash of its last GPU block.
 """
 
 import gc
-import os
 import random
-import sys
 import unittest
 import weakref
 from unittest import mock

@@ -9,9 +9,7 @@ block hashes, the hash of GPU block ``i`` of prompt family ``seed`` is ``seed * 
 
 import ctypes
 import gc
-import os
 import random
-import sys
 import unittest
 import weakref
 
