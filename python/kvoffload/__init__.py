@@ -22,6 +22,7 @@ library's message. Keys are ``bytes`` of exactly ``key_len`` bytes.
 """
 
 import ctypes
+import sys
 from array import array
 from typing import List, NamedTuple, Optional, Tuple, Union
 
@@ -140,6 +141,8 @@ _failure = _ffi.failure
 _addressof = ctypes.addressof
 _Out = ctypes.c_uint64 * 2
 _LOOKUPS = tuple(Lookup)
+_LOW = 0 if sys.byteorder == "little" else 1  # the uint32 word of a small size_t's value
+_new_plan = tuple.__new__
 
 
 class Manager(_Handle):
@@ -184,6 +187,7 @@ class Manager(_Handle):
         self.key_len = cfg.key_len
         self.num_slots = cfg.num_slots
         self.policy = Policy(policy)
+        self._no_keys = Keys(b"", self.key_len)
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.num_slots} slots"
@@ -309,16 +313,20 @@ class Manager(_Handle):
             out.n_store = c[0]
             out.n_evicted = c[1]
             return out
-        ids = array("I", bytes(8 * n))
-        ia = ids.buffer_info()[0]
-        evicted = (ctypes.c_char * (n * kl))()
-        counts = _Out()
-        ca = _addressof(counts)
-        st = _prepare_store(h, arg, n, ia, ia + 4 * n, _addressof(evicted), n, ca, ca + 8)
+        # One zeroed buffer for all outputs: the two counts (size_t, 8-byte aligned), indices,
+        # slots, then the evicted keys.
+        buf, ba = u32_zeros(4 + 2 * n + (n * kl + 3) // 4)
+        st = _prepare_store(h, arg, n, ba + 16, ba + 16 + 4 * n, ba + 16 + 8 * n, n, ba, ba + 8)
         if st:
             raise _failure(st)
-        k = counts[0]
-        return StorePlan(ids[:k], ids[n : n + k], Keys(evicted[: counts[1] * kl], kl))
+        # Counts are below 2**32: the low word of each size_t holds it.
+        k, e = buf[_LOW], buf[2 + _LOW]
+        if e:
+            start = 16 + 8 * n
+            evicted = Keys(memoryview(buf).cast("B")[start : start + e * kl].tobytes(), kl)
+        else:
+            evicted = self._no_keys
+        return _new_plan(StorePlan, (buf[4 : 4 + k], buf[4 + n : 4 + n + k], evicted))
 
     def complete_store(
         self, keys: KeysLike, success: bool = True, slots: Optional[IdsLike] = None

@@ -237,10 +237,18 @@ def u32_out(out, n, name="out"):
     return exp.view.buf, exp
 
 
+_ZEROS = 1 << 14
+_ZERO_U32 = array("I", bytes(4 * _ZEROS))
+
+
 def u32_zeros(n):
-    """A new ``array('I')`` of ``n`` zeros and its address."""
-    a = array("I", bytes(4 * n))
+    """A new ``array('I')`` of ``n`` zeros (a slice of a zeroed template: one copy, no
+    conversion) and its address."""
+    a = _ZERO_U32[:n] if n <= _ZEROS else array("I", bytes(4 * n))
     return a, a.buffer_info()[0]
+
+
+_set = object.__setattr__
 
 
 class Keys(Sequence):
@@ -250,8 +258,11 @@ class Keys(Sequence):
     __slots__ = ("data", "key_len")
 
     def __init__(self, data, key_len):
-        self.data = data
-        self.key_len = key_len
+        _set(self, "data", data)
+        _set(self, "key_len", key_len)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Keys are read-only")
 
     def __len__(self):
         return len(self.data) // self.key_len
