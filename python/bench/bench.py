@@ -249,6 +249,48 @@ def replay_cases(kvo, trace_path, quick):
         m.close()
         return dt, hit
 
+    def replay_floor():
+        """The buffer replay through the bound functions themselves (``_ffi.fast``), no
+        wrapper: what ctypes alone costs for the same calls."""
+        from array import array
+        f = kvo._ffi.fast
+        lookup, touch = f["kvo_manager_lookup_prefix"], f["kvo_manager_touch"]
+        pload, cload = f["kvo_manager_prepare_load"], f["kvo_manager_complete_load"]
+        pstore, cstore = f["kvo_manager_prepare_store"], f["kvo_manager_complete_store_at"]
+        m = kvo.Manager(num_slots=slots, key_len=kl)
+        h = m._h
+        cap = max(len(r) for r in reqs)
+        out = (ctypes.c_uint64 * 4)()
+        oa = ctypes.addressof(out)
+        ids = array("I", bytes(8 * cap))
+        ia = ids.buffer_info()[0]
+        ev = (ctypes.c_char * (cap * kl))()
+        ea = ctypes.addressof(ev)
+        t = time.perf_counter()
+        hit = 0
+        for keys in flat:
+            n = len(keys) // kl
+            lookup(h, keys, n, oa, oa + 8)
+            hits = out[0]
+            touch(h, keys, n)
+            if hits:
+                pload(h, keys, hits, ia, hits)
+                cload(h, keys, hits)
+            hit += hits
+            if pstore(h, keys, n, ia, ia + 4 * cap, ea, n, oa + 16, oa + 24):
+                continue
+            k = out[2]
+            if k:
+                a = ids[0]
+                if ids[k - 1] - a + 1 == k:
+                    cstore(h, keys[a * kl :], ia + 4 * cap, k, 1)
+                else:
+                    done = b"".join(keys[i * kl : (i + 1) * kl] for i in ids[:k])
+                    cstore(h, done, ia + 4 * cap, k, 1)
+        dt = time.perf_counter() - t
+        m.close()
+        return dt, hit
+
     rounds = 3 if quick else 7
     times, hits = zip(*(replay_lists() for _ in range(rounds)))
     out["replay per block (lists of bytes)"] = statistics.median(times) / n_blocks * 1e6
@@ -256,6 +298,10 @@ def replay_cases(kvo, trace_path, quick):
         times_b, hits_b = zip(*(replay_buffers() for _ in range(rounds)))
         assert hits_b[0] == hits[0], (hits_b[0], hits[0])  # the same replay
         out["replay per block (bytes buffers)"] = statistics.median(times_b) / n_blocks * 1e6
+        times_f, hits_f = zip(*(replay_floor() for _ in range(rounds)))
+        assert hits_f[0] == hits[0], (hits_f[0], hits[0])
+        out["replay per block (bound ctypes calls alone, no wrapper)"] = (
+            statistics.median(times_f) / n_blocks * 1e6)
     out["replay hit blocks / blocks"] = hits[0] / n_blocks
     return out
 
