@@ -1,7 +1,9 @@
-//! Scheduler scenarios of reference §5.4 and §8.2 (one full-attention group), in our own words.
+//! Scheduler scenarios (one full-attention group): vLLM 0.24's connector scheduler tests in our
+//! own words, and the races of `docs/design.md`.
 
 use super::*;
 use crate::manager::Lookup;
+use crate::manager::Policy;
 
 const GBS: u64 = 4;
 const F: u64 = 3;
@@ -903,4 +905,36 @@ fn allocation_without_tokens_consumes_the_hit() {
         t.s.on_alloc(2, &blocks(10, 16), 24),
         Err(Error::InvalidState(_))
     ));
+}
+
+/// A `build_step` that fails (here: its last scheduled request is unknown, or a preempted one
+/// is) changes nothing: the loads made since the last step and the owed flushes are still in
+/// the next step, and no store was made.
+#[test]
+fn failed_build_step_keeps_pending_loads_and_flushes() {
+    let (mut t, store) = finished_with_pending_store();
+    let s2 = t.prefill(2, 4, 12, 20);
+    t.complete(&[s2], true);
+    t.add(3, 4, 13);
+    assert_eq!(t.matched(3, 0), Match::Hit(12));
+    let load = t.s.on_alloc(3, &[1, 30, 31, 32], 12).unwrap().unwrap();
+    t.add(4, 9, 12);
+    let b4 = blocks(40, 43);
+    let before = t.s.stats();
+    let bad = t.s.build_step(
+        &[sched(4, 0, 12, 12, &b4), sched(99, 0, 4, 4, &[])],
+        &[],
+        &mut t.step,
+    );
+    assert!(matches!(bad, Err(Error::NotFound(_))), "{bad:?}");
+    let bad =
+        t.s.build_step(&[sched(4, 0, 12, 12, &b4)], &[77], &mut t.step);
+    assert!(matches!(bad, Err(Error::NotFound(_))), "{bad:?}");
+    assert_eq!(t.s.stats(), before);
+    t.check();
+    let st = t.step(&[sched(4, 0, 12, 12, &b4)], &[]);
+    let kinds: Vec<_> = st.jobs().iter().map(|j| (j.id, j.kind)).collect();
+    assert_eq!(kinds[0], (load, Direction::Load));
+    assert_eq!(kinds.len(), 2, "the load and request 4's store");
+    assert_eq!(st.flush(), &[store], "block 1 was reallocated to request 3");
 }

@@ -1,0 +1,227 @@
+//! Building a step's plan: the loads made since the last step, the store jobs of the scheduled
+//! requests' newly complete chunks, and the flush set.
+
+use super::{
+    Direction, Error, Job, Result, ScheduledRequest, Scheduler, Step, invalid, take_cleared,
+    take_filled,
+};
+
+impl Scheduler {
+    /// Builds the step plan into `step`: the load jobs made since the last step, the store jobs
+    /// of the scheduled requests' newly complete chunks, and the flush set: the jobs of the
+    /// preempted requests, the fenced jobs touching a GPU block allocated since the last step
+    /// (see [`Self::finish_request`]), and the jobs of a reset. A preempted request's load not
+    /// yet in a step is withdrawn (it never ships; its keys are unpinned).
+    ///
+    /// Fails, changing nothing: [`Error::NotFound`] for an unknown request,
+    /// [`Error::InvalidState`] for a finished one or one whose load is in flight,
+    /// [`Error::InvalidArgument`] for a request scheduled twice, scheduled and preempted at once,
+    /// or whose block ids do not cover its computed tokens.
+    pub fn build_step(
+        &mut self,
+        scheduled: &[ScheduledRequest<'_>],
+        preempted: &[u64],
+        step: &mut Step,
+    ) -> Result<()> {
+        let gbs = self.cfg.gpu_block_size as u64;
+        // Each call marks its requests with a new number: a request met twice is a duplicate.
+        self.build_calls += 1;
+        let mark = self.build_calls;
+        for (i, s) in scheduled.iter().enumerate() {
+            let id = s.request_id;
+            let r = match self.requests.get_mut(&id) {
+                None => return Err(Error::NotFound(format!("request_id: {id} is not tracked"))),
+                Some(r) if r.finished => {
+                    return Err(Error::InvalidState(format!("request_id: {id} is finished")));
+                }
+                Some(r) => r,
+            };
+            if std::mem::replace(&mut r.build_mark, mark) == mark {
+                return Err(invalid!(
+                    "scheduled[{i}].request_id: {id} is scheduled twice"
+                ));
+            }
+            if r.jobs.iter().any(|j| self.jobs[j].kind == Direction::Load) {
+                return Err(Error::InvalidState(format!(
+                    "scheduled[{i}].request_id: {} is still loading; schedule it after its load completes",
+                    s.request_id
+                )));
+            }
+            let after = s
+                .num_computed_tokens
+                .checked_add(s.num_scheduled_tokens)
+                .ok_or_else(|| {
+                    invalid!("scheduled[{i}]: num_computed_tokens + num_scheduled_tokens overflows")
+                })?;
+            let blocks = if s.resumed { 0 } else { r.block_ids.len() } + s.new_block_ids.len();
+            if (blocks as u64).saturating_mul(gbs) < after.min(s.num_tokens) {
+                return Err(invalid!(
+                    "scheduled[{i}].new_block_ids: request {} would have {blocks} GPU blocks for {} tokens",
+                    s.request_id,
+                    after.min(s.num_tokens)
+                ));
+            }
+        }
+        for (i, &p) in preempted.iter().enumerate() {
+            let r = self.request(p).map_err(|_| {
+                Error::NotFound(format!("preempted[{i}]: request {p} is not tracked"))
+            })?;
+            if r.build_mark == mark {
+                return Err(invalid!(
+                    "preempted[{i}]: request {p} is also scheduled in this step"
+                ));
+            }
+        }
+
+        for s in scheduled {
+            if s.resumed {
+                self.release_blocks(s.request_id);
+            }
+            let r = self.requests.get_mut(&s.request_id).expect("validated");
+            r.num_tokens = s.num_tokens;
+            if s.resumed {
+                r.block_ids.clear();
+            }
+            r.block_ids.extend_from_slice(s.new_block_ids);
+            self.allocated.extend_from_slice(s.new_block_ids);
+        }
+        for &p in preempted {
+            // The flush makes the worker finish these jobs before this step's copies and forward
+            // pass, so whatever reuses the blocks from this step on is safe: no fence needed.
+            self.withdraw_unshipped_load(p);
+            for &j in &self.requests[&p].jobs {
+                self.flush.push(j);
+                self.jobs.get_mut(&j).expect("in flight").released = true;
+            }
+        }
+        if self.fence.is_empty() {
+            self.allocated.clear();
+        }
+        for b in self.allocated.drain(..) {
+            if let Some(jobs) = self.fence.get(&b) {
+                self.flush.extend_from_slice(jobs);
+            }
+        }
+        step.clear(self.cfg.block_size_factor);
+        for j in self.pending_loads.jobs() {
+            if self.jobs.contains_key(&j.id) {
+                step.push_from(&self.pending_loads, j);
+            }
+        }
+        self.pending_loads.clear(self.cfg.block_size_factor);
+        // Large tiers: start the index misses of every store candidate of the step at once.
+        self.scratch_chunks.clear();
+        for s in scheduled {
+            let n = self.offloadable_chunks(s);
+            let r = &self.requests[&s.request_id];
+            if n > r.next_stored_chunk {
+                let keys = r.keys_of(self.cfg.key_len, r.next_stored_chunk, n);
+                self.manager.prefetch(keys);
+            }
+            self.scratch_chunks.push(n);
+        }
+        for (i, s) in scheduled.iter().enumerate() {
+            // The next storing request touches all its keys: start their misses now (its store
+            // candidates, prefetched above, may have left the closer caches by now).
+            if let Some(next) = scheduled.get(i + 1) {
+                let r = &self.requests[&next.request_id];
+                if self.scratch_chunks[i + 1] > r.next_stored_chunk {
+                    self.manager.prefetch(&r.keys);
+                }
+            }
+            self.build_store_job(s, self.scratch_chunks[i], step);
+        }
+        step.set_flush(self.flush.drain(..));
+        Ok(())
+    }
+
+    /// Complete chunks the request may offload after this step (limits applied).
+    fn offloadable_chunks(&self, s: &ScheduledRequest<'_>) -> u64 {
+        let r = &self.requests[&s.request_id];
+        let mut offloadable = (s.num_computed_tokens + s.num_scheduled_tokens).min(r.num_tokens);
+        if let Some(cap) = r.max_offload_tokens {
+            offloadable = offloadable.min(cap);
+        }
+        if self.cfg.offload_prompt_only {
+            offloadable = offloadable.min(r.prompt_tokens);
+        }
+        (offloadable / self.chunk_tokens()).min(r.num_keys(self.cfg.key_len))
+    }
+
+    /// The store job of one scheduled request (vLLM 0.24 `_get_reqs_to_store`, one request):
+    /// its complete chunks from `next_stored_chunk` to `n` (its offloadable chunks after this
+    /// step) not yet in the tier, if the tier has room; then all its keys are touched. Cannot
+    /// fail: the keys are the request's own, of the tier's width.
+    fn build_store_job(&mut self, s: &ScheduledRequest<'_>, n: u64, step: &mut Step) {
+        let (kl, f) = (self.cfg.key_len, self.cfg.block_size_factor as usize);
+        let r = self.requests.get_mut(&s.request_id).expect("validated");
+        let start = r.next_stored_chunk;
+        if n <= start {
+            r.next_stored_chunk = n;
+            return;
+        }
+        let candidates = r.keys_of(kl, start, n);
+        match self.manager.prepare_store(candidates, &mut self.plan) {
+            Err(Error::NoRoom(_)) => {
+                self.stats.store_no_room += 1;
+                return;
+            }
+            Err(e) => unreachable!("prepare_store of a request's own keys: {e}"),
+            Ok(c) if c.stored == 0 => {
+                r.next_stored_chunk = n;
+                return;
+            }
+            Ok(_) => {}
+        }
+        self.manager
+            .touch(&r.keys)
+            .expect("a request's keys have the tier's width");
+        // The stored chunks: usually one run (all but the already stored ones), copied at once.
+        let (mut keys, mut blocks) = (
+            take_cleared(&mut self.spare_keys),
+            take_cleared(&mut self.spare_blocks),
+        );
+        let ix = &self.plan.indices;
+        let (first, last) = (
+            start as usize + ix[0] as usize,
+            start as usize + ix[ix.len() - 1] as usize,
+        );
+        if last + 1 - first == ix.len() {
+            keys.extend_from_slice(&r.keys[first * kl..(last + 1) * kl]);
+            blocks.extend_from_slice(&r.block_ids[first * f..(last + 1) * f]);
+        } else {
+            for &i in ix {
+                let chunk = start as usize + i as usize;
+                keys.extend_from_slice(&r.keys[chunk * kl..(chunk + 1) * kl]);
+                blocks.extend_from_slice(&r.block_ids[chunk * f..(chunk + 1) * f]);
+            }
+        }
+        let job_id = self.next_job_id;
+        self.next_job_id += 1;
+        step.push_job(
+            job_id,
+            Direction::Store,
+            s.request_id,
+            (first * f) as u32,
+            &blocks,
+            &self.plan.slots,
+        );
+        r.jobs.push(job_id);
+        r.next_stored_chunk = n;
+        self.stats.store_jobs += 1;
+        self.stats.stored_chunks += ix.len() as u64;
+        let job = Job {
+            request_id: s.request_id,
+            kind: Direction::Store,
+            pending: self.cfg.num_workers,
+            failed: false,
+            keys,
+            gpu_blocks: blocks,
+            slots: take_filled(&mut self.spare_blocks, &self.plan.slots),
+            tokens: (0, 0),
+            first_chunk: first as u64,
+            released: false,
+        };
+        self.jobs.insert(job_id, job);
+    }
+}
