@@ -264,8 +264,11 @@ pub unsafe extern "C" fn kvo_step_get_jobs(
             let jobs = s.jobs();
             let n_blocks: usize = jobs.iter().map(|j| s.src(j).len() + s.dst(j).len()).sum();
             if jobs_cap < jobs.len() || blocks_cap < n_blocks {
-                write(out_n_jobs, jobs.len());
-                write(out_n_blocks, n_blocks);
+                // SAFETY: the out-pointers, checked non-NULL above, are writable (the contract).
+                unsafe {
+                    write(out_n_jobs, jobs.len());
+                    write(out_n_blocks, n_blocks);
+                }
                 let (name, cap, need) = if jobs_cap < jobs.len() {
                     ("jobs_cap", jobs_cap, jobs.len())
                 } else {
@@ -288,8 +291,11 @@ pub unsafe extern "C" fn kvo_step_get_jobs(
                     at += ids.len();
                 }
             }
-            write(out_n_jobs, jobs.len());
-            write(out_n_blocks, n_blocks);
+            // SAFETY: as above.
+            unsafe {
+                write(out_n_jobs, jobs.len());
+                write(out_n_blocks, n_blocks);
+            }
             Ok(())
         })?
     })
