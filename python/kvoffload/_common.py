@@ -6,6 +6,7 @@ import weakref
 from typing import List, NamedTuple
 
 from . import _ffi
+from ._buffers import Keys
 from ._ffi import BufferTooSmallError, Policy
 
 _MAX_U32 = 2**32 - 1
@@ -42,10 +43,11 @@ def _policy(policy):
 
 class Event(NamedTuple):
     """One event of :meth:`Manager.take_events` / :meth:`Scheduler.take_events`: ``removed``
-    True for evicted keys, False for keys that became ready (stored)."""
+    True for evicted keys, False for keys that became ready (stored); ``keys`` as
+    :class:`Keys` (equal to the list of them)."""
 
     removed: bool
-    keys: List[bytes]
+    keys: Keys
 
 
 class _Stats:
@@ -133,6 +135,13 @@ class _Handle:
     def _closed_error(self):
         return ValueError(f"kvoffload: operation on a closed {type(self).__name__}")
 
+    def _handle_address(self):
+        """The handle's address (an int); ValueError once closed."""
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        return h
+
     def _handle(self):
         ptr = self._ptr
         if ptr is None:
@@ -158,9 +167,8 @@ def _take_events(take, handle, key_len) -> List[Event]:
             continue
         break
     raw = bytes(keys)
-    out = []
-    for e in events[: n_events.value]:
-        first = e.first_key
-        ks = [raw[(first + i) * key_len : (first + i + 1) * key_len] for i in range(e.n_keys)]
-        out.append(Event(bool(e.removed), ks))
-    return out
+    return [
+        Event(e.removed != 0, Keys(raw[e.first_key * key_len : (e.first_key + e.n_keys) * key_len],
+                                   key_len))
+        for e in events[: n_events.value]
+    ]

@@ -183,6 +183,7 @@ _failure = _ffi.failure
 _addressof = ctypes.addressof
 _step_get_jobs = _fast["kvo_step_get_jobs"]
 _step_get_flush = _fast["kvo_step_get_flush"]
+_step_decode = _fast["kvo_step_decode"]
 _append_block_hashes = _fast["kvo_scheduler_append_block_hashes"]
 _match = _fast["kvo_scheduler_match"]
 _on_alloc = _fast["kvo_scheduler_on_alloc"]
@@ -311,22 +312,22 @@ class Step(_Handle):
         """A plan decoded from bytes made by :meth:`encode`. With ``into``, that plan is replaced
         (and returned) instead of a new one being made; on failure it is left unchanged.
 
-        Raises :class:`CorruptDataError` for truncated or corrupt bytes or another format
-        version; TypeError unless ``data`` is bytes-like.
+        ``data``: any bytes-like object (passed without copying). Raises
+        :class:`CorruptDataError` for truncated or corrupt bytes or another format version;
+        TypeError unless ``data`` is bytes-like.
         """
-        if isinstance(data, (bytearray, memoryview)):
-            data = bytes(data)
-        if not isinstance(data, bytes):
+        if isinstance(data, (list, tuple)):
             raise TypeError(f"data: expected bytes, got {type(data).__name__}")
+        arg, n, keep = keys_arg(data, 1, "data")
         if into is not None and not isinstance(into, Step):
             raise TypeError(f"into: expected a Step, got {type(into).__name__}")
         step = cls() if into is None else into
-        try:
-            lib.kvo_step_decode(step._handle(), data, len(data))
-        except BaseException:
+        st = _step_decode(step._handle_address(), arg, n)
+        if st:
+            err = _failure(st)
             if into is None:
                 step.close()
-            raise
+            raise err
         return step
 
 

@@ -347,6 +347,28 @@ class SchedulerBufferTest(unittest.TestCase):
             self.assertEqual(len(st.jobs), 1)
         s.check_invariants()
 
+    def test_step_decode_takes_any_bytes_like(self):
+        self.add(1, flat(1, 2), 8)
+        self.s.match(1, 0)
+        with self.s.build_step([ScheduledRequest(1, 0, 8, 8, [0, 1])]) as st:
+            data = st.encode()
+            want = st.jobs
+        self.assertEqual(len(want), 1)
+        for name, buf in key_kinds(data).items():
+            if name in ("list", "tuple"):
+                continue
+            with self.subTest(kind=name), kvoffload.Step.decode(buf) as got:
+                self.assertEqual(got.jobs, want)
+        with self.assertRaises(TypeError) as cm:
+            kvoffload.Step.decode("text")
+        self.assertIn("data", str(cm.exception))
+        with self.assertRaises(TypeError):
+            kvoffload.Step.decode([data])
+        with kvoffload.Step.decode(data) as into:
+            with self.assertRaises(kvoffload.CorruptDataError):
+                kvoffload.Step.decode(bytearray(data[:-1]), into=into)
+            self.assertEqual(into.jobs, want)  # unchanged
+
     def test_stats_is_one_struct(self):
         st = self.s.stats()
         self.assertIsInstance(st.requests, int)
