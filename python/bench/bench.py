@@ -7,7 +7,7 @@ Usage: python3 python/bench/bench.py [--package DIR] [--trace PATH] [--quick] [-
 checkout's ``python/``); the library is found as that package finds it (``KVOFFLOAD_LIB``...).
 Cases the package lacks (the buffer API in an older one) are skipped. Each figure is the median
 of several timed repeats, in microseconds per call (per block for the replay, per completion
-for poll). ``python/bench/compare.py`` runs two packages alternately and reports medians.
+for poll), by the wall clock and by the calling thread's CPU clock. ``python/bench/compare.py`` runs two packages alternately and reports medians.
 """
 
 import argparse
@@ -23,15 +23,37 @@ DEFAULT_TRACE = os.path.join(HERE, os.pardir, os.pardir, os.pardir, "shared", "t
                              "conversation_trace.jsonl")
 
 
+class Timer:
+    """Wall time and the calling thread's CPU time together: on a loaded machine the wall clock
+    also counts the time the thread waited for a CPU, the thread clock only what the calls
+    cost (worker threads' copies excluded)."""
+
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = time.thread_time() - self.cpu
+        return False
+
+
+def medians(runs, per):
+    """``(wall, cpu)`` medians of ``runs`` (Timers), divided by ``per``, in microseconds."""
+    return (statistics.median(r.wall for r in runs) / per * 1e6,
+            statistics.median(r.cpu for r in runs) / per * 1e6)
+
+
 def per_call(fn, number, repeat=7):
-    """Median over ``repeat`` runs of ``number`` calls, in microseconds per call."""
-    times = []
+    """Medians over ``repeat`` runs of ``number`` calls: ``(wall, cpu)`` microseconds per
+    call."""
+    runs = []
     for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(number):
-            fn()
-        times.append((time.perf_counter() - t) / number * 1e6)
-    return statistics.median(times)
+        with Timer() as t:
+            for _ in range(number):
+                fn()
+        runs.append(t)
+    return medians(runs, number)
 
 
 def key(i, kl):
@@ -63,22 +85,21 @@ def manager_cases(kvo, quick):
     m2 = kvo.Manager(num_slots=4096, key_len=kl)
     counter = [0]
 
-    def store_new(as_bytes):
-        base = counter[0]
-        counter[0] += 32
-        ks = [key(base + i, kl) for i in range(32)]
-        arg = b"".join(ks) if as_bytes else ks
-        t = time.perf_counter()
-        plan = m2.prepare_store(arg)
-        m2.complete_store(arg, slots=plan.slots)
-        return time.perf_counter() - t
-
     def timed(as_bytes):
         runs = []
         for _ in range(7):
-            total = sum(store_new(as_bytes) for _ in range(n // 4))
-            runs.append(total / (n // 4) * 1e6)
-        return statistics.median(runs)
+            args = []
+            for _ in range(n // 4):
+                base = counter[0]
+                counter[0] += 32
+                ks = [key(base + i, kl) for i in range(32)]
+                args.append(b"".join(ks) if as_bytes else ks)
+            with Timer() as t:
+                for arg in args:
+                    plan = m2.prepare_store(arg)
+                    m2.complete_store(arg, slots=plan.slots)
+            runs.append(t)
+        return medians(runs, n // 4)
 
     out["prepare_store+complete_store 32 new keys (list)"] = timed(False)
     if buffers:
@@ -153,15 +174,15 @@ def worker_cases(kvo, quick):
     def run(s, d):
         runs = []
         for _ in range(7):
-            t = time.perf_counter()
-            for _ in range(n // 7):
-                w.submit_job(job[0], kvo.JobKind.STORE, s, d)
-                job[0] += 1
-            runs.append((time.perf_counter() - t) / (n // 7) * 1e6)
+            with Timer() as t:
+                for _ in range(n // 7):
+                    w.submit_job(job[0], kvo.JobKind.STORE, s, d)
+                    job[0] += 1
+            runs.append(t)
             w.wait(list(range(job[0] - n // 7, job[0])))
             while len(w.poll(max=100_000)):
                 pass
-        return statistics.median(runs)
+        return medians(runs, n // 7)
 
     out["Worker.submit_job 2 blocks (lists)"] = run(src, dst)
     if src_a is not None:
@@ -174,11 +195,11 @@ def worker_cases(kvo, quick):
             w.submit_job(job[0], kvo.JobKind.STORE, src, dst)
             job[0] += 1
         w.wait(list(range(first, job[0])))
-        t = time.perf_counter()
-        got = w.poll(max=1000)
-        runs.append((time.perf_counter() - t) / 1000 * 1e6)
+        with Timer() as t:
+            got = w.poll(max=1000)
+        runs.append(t)
         assert len(got) == 1000, len(got)
-    out["Worker.poll per completion (1000 finished)"] = statistics.median(runs)
+    out["Worker.poll per completion (1000 finished)"] = medians(runs, 1000)
     w.close()
     return out
 
@@ -198,7 +219,7 @@ def replay_cases(kvo, trace_path, quick):
 
     def replay_lists():
         m = kvo.Manager(num_slots=slots, key_len=kl)
-        t = time.perf_counter()
+        t = Timer().__enter__()
         hit = 0
         for keys in lists:
             hits, _ = m.lookup_prefix(keys)
@@ -213,9 +234,9 @@ def replay_cases(kvo, trace_path, quick):
                 continue
             if len(plan.indices):
                 m.complete_store([keys[i] for i in plan.indices], slots=plan.slots)
-        dt = time.perf_counter() - t
+        t.__exit__()
         m.close()
-        return dt, hit
+        return t, hit
 
     def replay_buffers():
         m = kvo.Manager(num_slots=slots, key_len=kl)
@@ -223,7 +244,7 @@ def replay_cases(kvo, trace_path, quick):
         sb = kvo.StoreBuffers(cap, kl)
         from array import array
         load_out = array("I", bytes(4 * cap))
-        t = time.perf_counter()
+        t = Timer().__enter__()
         hit = 0
         for keys in flat:
             hits, _ = m.lookup_prefix(keys)
@@ -245,9 +266,9 @@ def replay_cases(kvo, trace_path, quick):
                 else:
                     done = b"".join(keys[i * kl : (i + 1) * kl] for i in sb.indices[:k])
                 m.complete_store(done, slots=sb.slots[:k])
-        dt = time.perf_counter() - t
+        t.__exit__()
         m.close()
-        return dt, hit
+        return t, hit
 
     def replay_floor():
         """The buffer replay through the bound functions themselves (``_ffi.fast``), no
@@ -266,7 +287,7 @@ def replay_cases(kvo, trace_path, quick):
         ia = ids.buffer_info()[0]
         ev = (ctypes.c_char * (cap * kl))()
         ea = ctypes.addressof(ev)
-        t = time.perf_counter()
+        t = Timer().__enter__()
         hit = 0
         for keys in flat:
             n = len(keys) // kl
@@ -287,22 +308,22 @@ def replay_cases(kvo, trace_path, quick):
                 else:
                     done = b"".join(keys[i * kl : (i + 1) * kl] for i in ids[:k])
                     cstore(h, done, ia + 4 * cap, k, 1)
-        dt = time.perf_counter() - t
+        t.__exit__()
         m.close()
-        return dt, hit
+        return t, hit
 
     rounds = 3 if quick else 7
     times, hits = zip(*(replay_lists() for _ in range(rounds)))
-    out["replay per block (lists of bytes)"] = statistics.median(times) / n_blocks * 1e6
+    out["replay per block (lists of bytes)"] = medians(times, n_blocks)
     if hasattr(kvo, "StoreBuffers"):
         times_b, hits_b = zip(*(replay_buffers() for _ in range(rounds)))
         assert hits_b[0] == hits[0], (hits_b[0], hits[0])  # the same replay
-        out["replay per block (bytes buffers)"] = statistics.median(times_b) / n_blocks * 1e6
+        out["replay per block (bytes buffers)"] = medians(times_b, n_blocks)
         times_f, hits_f = zip(*(replay_floor() for _ in range(rounds)))
         assert hits_f[0] == hits[0], (hits_f[0], hits[0])
-        out["replay per block (bound ctypes calls alone, no wrapper)"] = (
-            statistics.median(times_f) / n_blocks * 1e6)
-    out["replay hit blocks / blocks"] = hits[0] / n_blocks
+        out["replay per block (bound ctypes calls alone, no wrapper)"] = medians(times_f,
+                                                                                n_blocks)
+    out["replay hit blocks / blocks"] = (hits[0] / n_blocks, hits[0] / n_blocks)
     return out
 
 
@@ -324,8 +345,9 @@ def main(argv):
         print(json.dumps({"library": kvo.lib_path, "results": results}))
     else:
         print(f"kvoffload from {os.path.dirname(kvo.__file__)}, library {kvo.lib_path}")
-        for name, v in results.items():
-            print(f"{name:58s} {v:10.3f}")
+        print(f"{'case (us per call unless said)':58s} {'wall':>9s} {'thread CPU':>10s}")
+        for name, (wall, cpu) in results.items():
+            print(f"{name:58s} {wall:9.3f} {cpu:10.3f}")
 
 
 if __name__ == "__main__":

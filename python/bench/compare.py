@@ -59,15 +59,18 @@ def main(argv):
                     figures[which].setdefault(name, []).append(v)
                 print(f"round {r + 1}/{a.rounds} {which} done", file=sys.stderr, flush=True)
     print(f"library {library}; old = python/kvoffload of {a.old}; medians of {a.rounds} "
-          "alternated rounds (each a median of repeats); us per call unless said")
-    print(f"{'case':58s} {'old':>10s} {'new':>10s}")
+          "alternated rounds (each a median of repeats); us per call unless said; wall clock "
+          "and the calling thread's CPU clock")
+    print(f"{'case':58s} {'old wall':>9s} {'new wall':>9s} {'old CPU':>9s} {'new CPU':>9s}")
     names = list(figures["new"]) + [n for n in figures["old"] if n not in figures["new"]]
     for name in names:
         cells = []
-        for which in ("old", "new"):
-            v = figures[which].get(name)
-            cells.append(f"{statistics.median(v):10.3f}" if v else f"{'-':>10s}")
-        print(f"{name:58s} {cells[0]} {cells[1]}")
+        for clock in (0, 1):
+            for which in ("old", "new"):
+                v = figures[which].get(name)
+                cells.append(f"{statistics.median(x[clock] for x in v):9.3f}" if v
+                             else f"{'-':>9s}")
+        print(f"{name:58s} " + " ".join(cells))
 
 
 if __name__ == "__main__":

@@ -175,17 +175,15 @@ def u32_arg(values, name):
     ``array('I')``, a numpy ``uint32`` array, ...) or a list / tuple / other iterable of ints
     (other integer buffers are converted, each value checked)."""
     if type(values) is array and values.typecode == "I":
-        # A private copy: the caller's array cannot be resized under the call.
-        a = array("I", values)
-        return (a.buffer_info()[0] if a else None), len(a), a
+        # By address; the memoryview holds an export, so no thread can resize it meanwhile.
+        return values.buffer_info()[0], len(values), memoryview(values)
     return _ids_arg(values, name, "I", _U32_FORMATS, 4, _MAX_U32, "uint32")
 
 
 def u64_arg(values, name):
     """As :func:`u32_arg` for ``uint64`` ids (``array('Q')``, numpy ``uint64``)."""
     if type(values) is array and values.typecode == "Q":
-        a = array("Q", values)
-        return (a.buffer_info()[0] if a else None), len(a), a
+        return values.buffer_info()[0], len(values), memoryview(values)
     return _ids_arg(values, name, "Q", _U64_FORMATS, 8, _MAX_U64, "uint64")
 
 
@@ -200,10 +198,6 @@ def _ids_arg(values, name, code, formats, size, maximum, what):
             _int_list(values, name, maximum)
             raise
         return a.buffer_info()[0], len(a), a
-    if t is array and values.typecode == code:
-        # Our own copy: the caller's array cannot be resized under the call.
-        a = array(code, values)
-        return (a.buffer_info()[0] if a else None), len(a), a
     if isinstance(values, (str, bytes)) or values is None:
         raise TypeError(f"{name}: expected a sequence of ints or a {what} buffer, got "
                         f"{type(values).__name__}")
@@ -230,6 +224,10 @@ def _ids_arg(values, name, code, formats, size, maximum, what):
 
 def u32_out(out, n, name="out"):
     """``(address, keep)`` of a writable buffer of at least ``n`` native ``uint32`` items."""
+    if type(out) is array and out.typecode == "I":
+        if len(out) < n:
+            raise ValueError(f"{name}: room for {len(out)} ids, {n} needed")
+        return out.buffer_info()[0], memoryview(out)  # the view holds an export
     exp = _Export(out, True, name)
     _check_items(exp, _U32_FORMATS, 4, name, "uint32")
     if exp.view.len < 4 * n:

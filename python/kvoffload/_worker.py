@@ -367,12 +367,13 @@ class Worker(_Handle):
             k = _kind(kind)
         s, ns, keep_s = u32_arg(src, "src")
         d, nd, keep_d = u32_arg(dst, "dst")
+        if type(job_id) is not int or not 0 <= job_id <= _MAX_U64:
+            job_id = _uint("job_id", job_id, _MAX_U64)
         if type(block_index) is not int or not 0 <= block_index <= _MAX_U32:
             block_index = _uint("block_index", block_index, _MAX_U32)
-        st = _submit_job(
-            h, _u64("job_id", job_id), k, s, ns, d, nd, block_index,
-            _u64("compute_stream", compute_stream),
-        )
+        if type(compute_stream) is not int or not 0 <= compute_stream <= _MAX_U64:
+            compute_stream = _uint("compute_stream", compute_stream, _MAX_U64)
+        st = _submit_job(h, job_id, k, s, ns, d, nd, block_index, compute_stream)
         if st:
             raise _failure(st)
 
