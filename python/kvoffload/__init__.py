@@ -2,23 +2,28 @@
 
     import kvoffload
 
-    k1, k2 = (1).to_bytes(8, "big"), (2).to_bytes(8, "big")
+    keys = b"".join(i.to_bytes(8, "big") for i in (1, 2))  # two 8-byte keys, one buffer
     with kvoffload.Manager(num_slots=4, key_len=8) as m:
-        plan = m.prepare_store([k1, k2])  # reserve host slots; the stores are in flight
-        m.complete_store([k1, k2])        # the copies finished: k1 and k2 are ready
-        assert m.lookup(k1) == kvoffload.Lookup.HIT
+        plan = m.prepare_store(keys)      # reserve host slots; the stores are in flight
+        m.complete_store(keys)            # the copies finished: both keys are ready
+        assert m.lookup(keys[:8]) == kvoffload.Lookup.HIT
 
 The scheduler side (:class:`Scheduler`: requests, matching with the deferral rule, load and
 store jobs) builds a :class:`Step` plan per engine step; ``Step.encode()`` / ``Step.decode()``
 carry it to the workers (:class:`Worker`: block copies between registered KV tensors and the
 host tier), whose reports go back through :meth:`Scheduler.complete_jobs`.
 
-The shared library is found through ``KVOFFLOAD_LIB``, then ``<repo>/target/{release,debug}``
-(and their ``deps/``), then next to this package. Importing fails with ``ImportError`` when the
-library's ABI version is not :data:`ABI_VERSION`.
+The shared library is loaded from ``KVOFFLOAD_LIB``, else the copy bundled in this package
+(``pip install``), else the system's search (``LD_LIBRARY_PATH``, the loader cache), else a
+development build of the checkout this package sits in (``target/{release,debug}``);
+:data:`library_path` names the file loaded. Importing fails with ``ImportError`` when none is
+found or the library's ABI version is not :data:`ABI_VERSION`.
 
-Every failed library call raises a :class:`KvoError` subclass carrying ``status`` and the
-library's message. Keys are ``bytes`` of exactly ``key_len`` bytes.
+Keys are one bytes-like object of ``n * key_len`` bytes or a list of ``key_len``-byte keys;
+ids are ``uint32`` / ``uint64`` buffers or lists of ints (see :mod:`kvoffload._buffers`). Calls
+do O(1) Python work whatever the number of keys. A bad argument raises ``TypeError`` or
+``ValueError`` naming it; every failed library call raises a :class:`KvoError` subclass carrying
+``status`` and the library's message.
 """
 
 import ctypes

@@ -14,9 +14,11 @@
         s.complete_jobs([(job_id, 1, True)])
 
 Every request id, token count, job id and block id is a non-negative ``int`` (TypeError for
-another type, ValueError out of range, naming the argument); block hashes are ``bytes`` of
-exactly ``key_len`` bytes. Library failures raise the :class:`KvoError` subclass of their
-status with the library's message.
+another type, ValueError out of range, naming the argument); lists of block ids may also be
+``uint32`` buffers (``array('I')``, numpy), and a batch of hundreds of scheduled requests goes
+in as arrays (:meth:`Scheduler.build_step_arrays`). Block hashes are one bytes-like object of
+``n * key_len`` bytes or a list of ``key_len``-byte hashes. Library failures raise the
+:class:`KvoError` subclass of their status with the library's message.
 """
 
 import ctypes

@@ -18,8 +18,10 @@ allocated by the library, or given as ``host_buffers`` (writable Python buffers,
 the worker's lifetime, or ``(address, length)`` pairs the caller keeps valid).
 
 Every job id and block id is a non-negative ``int`` (TypeError for another type, ValueError out
-of range, naming the argument). Library failures raise the :class:`KvoError` subclass of their
-status with the library's message.
+of range, naming the argument); block id lists may also be ``uint32`` buffers (``array('I')``,
+numpy). :meth:`Worker.poll` answers :class:`Completions` (one buffer the library filled).
+Library failures raise the :class:`KvoError` subclass of their status with the library's
+message.
 """
 
 import ctypes
