@@ -1198,10 +1198,11 @@ kvo_status kvo_scheduler_build_step(struct kvo_scheduler *s,
  * For hosts that keep their batch in arrays (Python, numpy): the same plan, one call.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle or a NULL array with
- * entries; `KVO_STATUS_INVALID_ARGUMENT` when the counts of `n_new_block_ids` do not add up to
- * `n_block_ids`, and otherwise as `kvo_scheduler_build_step` (`NOT_FOUND`, `INVALID_STATE`,
- * `INVALID_ARGUMENT`, naming `scheduled[i]` for request `i`). On failure nothing changes and
- * `step` is not written.
+ * entries; `KVO_STATUS_INVALID_ARGUMENT` when an array's size overflows the address space or
+ * the counts of `n_new_block_ids` do not add up to `n_block_ids`; otherwise as
+ * `kvo_scheduler_build_step` (`KVO_STATUS_NOT_FOUND`, `KVO_STATUS_INVALID_STATE`,
+ * `KVO_STATUS_INVALID_ARGUMENT`, naming `scheduled[i]` for request `i`). On failure nothing
+ * changes and `step` is not written.
  *
  * # Safety
  * `s`, `step` NULL or live; the five per-request arrays and `resumed` NULL or `n_scheduled`
