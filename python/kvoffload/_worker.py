@@ -52,9 +52,12 @@ _Out = ctypes.c_uint64 * 2
 #: Completions asked of the library per call: no larger array is allocated up front, and the
 #: messages of a call's failed jobs are read right after it (the library keeps the last 1024).
 _POLL_CHUNK = 1024
+_POLL_FIRST = 64
 #: uint32 words per ``kvo_completion`` (job_id 0-1, bytes 2-3, seconds 4-5, success 6).
 _WORDS = ctypes.sizeof(_ffi.kvo_completion) // 4
 assert _WORDS == 8
+_ZERO_WORDS = array("I", bytes(4 * _WORDS * _POLL_CHUNK))
+_new = object.__new__
 
 __all__ = ["KvTensor", "Completion", "Completions", "Worker", "cuda_available"]
 
@@ -403,31 +406,36 @@ class Worker(_Handle):
         h = self._h
         if h is None:
             raise self._closed_error()
-        cap = _u64("max", max)
-        words = array("I")
-        errors = {}
+        cap = max if type(max) is int and 0 <= max <= _MAX_U64 else _uint("max", max, _MAX_U64)
         got_out = _Out()
         ga = _addressof(got_out)
+        # Small first: an idle poll allocates little; the chunks grow while calls come back full.
+        room = cap if cap < _POLL_FIRST else _POLL_FIRST
+        words = _ZERO_WORDS[: _WORDS * room]
+        errors = {}
         n = 0
-        while n < cap:
-            room = min(cap - n, _POLL_CHUNK)
-            words.frombytes(bytes(4 * _WORDS * room))
+        while True:
             st = _poll(h, words.buffer_info()[0] + 4 * _WORDS * n, room, ga)
             if st:
-                del words[_WORDS * n :]
                 raise _failure(st)
             got = got_out[0]
-            flags = words[_WORDS * n + 6 : _WORDS * (n + got) : _WORDS]
-            if flags.count(1) != got:  # read the failed jobs' messages now
-                for i, ok in enumerate(flags):
-                    if not ok:
-                        c = _ffi.kvo_completion.from_buffer_copy(words, 4 * _WORDS * (n + i))
-                        errors[c.job_id] = self._job_error(h, c.job_id)
+            if got:
+                flags = words[_WORDS * n + 6 : _WORDS * (n + got) : _WORDS]
+                if flags.count(1) != got:  # read the failed jobs' messages now
+                    for i, ok in enumerate(flags):
+                        if not ok:
+                            c = _ffi.kvo_completion.from_buffer_copy(words, 4 * _WORDS * (n + i))
+                            errors[c.job_id] = self._job_error(h, c.job_id)
             n += got
-            if got < room:
+            if got < room or n == cap:
                 break
+            room = min(cap - n, 4 * room, _POLL_CHUNK)
+            words.extend(_ZERO_WORDS[: _WORDS * room])
         del words[_WORDS * n :]
-        return Completions(words, errors)
+        out = _new(Completions)
+        out._words = words
+        out.errors = errors
+        return out
 
     def _job_error(self, h, job_id):
         need = _Out()
