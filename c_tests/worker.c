@@ -1213,8 +1213,66 @@ static void test_cuda(void) {
     tensor_free(&t0);
 }
 
+/* A plan's stores read what its forward pass writes: kvo_worker_submit_step holds them until the
+ * next plan, kvo_worker_submit_stores or a wait naming them, so the host tier gets the KV the
+ * forward pass wrote after submit_step returned. */
+static void test_stores_follow_the_forward_pass(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 23);
+    kvo_worker_config c = wcfg(1, SLOTS);
+    kvo_worker *w = NEW_WORKER(&c, &t0.t, 1, NULL);
+    kvo_scheduler_config sc;
+    CHECK_OK(kvo_scheduler_config_default(&sc));
+    sc.key_len = KEY_LEN;
+    sc.gpu_block_size = GBS;
+    sc.num_slots = SLOTS;
+    kvo_scheduler *s = NULL;
+    kvo_step *st = NULL;
+    CHECK_OK(kvo_scheduler_new(&sc, &s));
+    CHECK_OK(kvo_step_new(&st));
+    if (s == NULL || st == NULL) {
+        exit(1);
+    }
+    add_request(s, 1, 6, 8);
+    kvo_match_result m;
+    CHECK_OK(kvo_scheduler_match(s, 1, 0, &m));
+    uint32_t has_job = 0;
+    uint64_t none = 0;
+    const uint32_t b[2] = {5, 6};
+    CHECK_OK(kvo_scheduler_on_alloc(s, 1, b, 2, 0, &has_job, &none));
+    kvo_scheduled_request r = {.request_id = 1, .num_scheduled_tokens = 8, .num_tokens = 8,
+                               .new_block_ids = b, .n_new_block_ids = 2};
+    CHECK_OK(kvo_scheduler_build_step(s, &r, 1, NULL, 0, st));
+    job_t j = get_job(st, 0);
+    CHECK(j.info.kind == KVO_JOB_KIND_STORE && j.info.n_dst == 2);
+    CHECK_OK(kvo_worker_submit_step(w, st, 0));
+    /* The forward pass writes blocks 5 and 6 after submit_step returned. */
+    memset(block(&t0, 5), 0x5A, PAGE0);
+    memset(block(&t0, 6), 0x6B, PAGE0);
+    kvo_completion out[4];
+    size_t n = 9;
+    CHECK_OK(kvo_worker_poll(w, out, 4, &n));
+    CHECK(n == 0); /* held, not run */
+    CHECK_OK(kvo_worker_submit_stores(w));
+    done_t d = WAIT_POLL(w, j.info.id);
+    CHECK_DONE(d, j.info.id, 1, 2 * PAGE0);
+    uint8_t *host = host_buf_(w, 0, (size_t)SLOTS * PAGE0, __LINE__);
+    uint8_t want5[PAGE0], want6[PAGE0];
+    memset(want5, 0x5A, PAGE0);
+    memset(want6, 0x6B, PAGE0);
+    CHECK(bytes_are(host + sub_off(j.dst[0], 0, PAGE0, 1), want5, PAGE0, "slot of block 5"));
+    CHECK(bytes_are(host + sub_off(j.dst[1], 0, PAGE0, 1), want6, PAGE0, "slot of block 6"));
+    CHECK_STATUS(kvo_worker_submit_stores(NULL), KVO_STATUS_NULL_ARGUMENT, "worker");
+    CHECK_OK(kvo_worker_shutdown(w));
+    CHECK_STATUS(kvo_worker_submit_stores(w), KVO_STATUS_INVALID_STATE, "shut down");
+    kvo_step_free(st);
+    kvo_scheduler_free(s);
+    kvo_worker_free(w);
+    tensor_free(&t0);
+}
+
 int main(void) {
     test_config_default();
+    test_stores_follow_the_forward_pass();
     test_store_load();
     test_fifo();
     test_large_job();

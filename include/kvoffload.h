@@ -1528,11 +1528,16 @@ kvo_status kvo_worker_submit_job(struct kvo_worker *w,
                                  uint64_t compute_stream);
 
 /**
- * Executes a step plan (from `kvo_scheduler_build_step` or `kvo_step_decode`): first blocks
- * until the plan's flush set has finished (jobs of earlier steps that must not overlap this
- * step's copies or forward pass; ids already finished and handed out are skipped), then submits
- * every job, loads first. `compute_stream` as for `kvo_worker_submit_job`. When it returns, the
- * forward pass may run.
+ * Executes a step plan (from `kvo_scheduler_build_step` or `kvo_step_decode`); call it before
+ * the step's forward pass. It submits the stores deferred from the previous plan (whose forward
+ * pass has been issued by now), blocks until the plan's flush set has finished (jobs of earlier
+ * steps that must not overlap this step's copies or forward pass; ids already finished and
+ * handed out are skipped), submits the plan's loads, and defers the plan's stores: they read the
+ * KV that this step's forward pass writes, so they are submitted by the next
+ * `kvo_worker_submit_step`, by `kvo_worker_submit_stores`, or by a `kvo_worker_wait` naming one
+ * of them (vLLM 0.24 likewise submits step N's stores at step N + 1). `compute_stream` (CUDA) is
+ * the stream the forward pass runs on: deferred stores start after the work queued on it when
+ * they are submitted. When it returns, the forward pass may run.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if the plan's
  * block_size_factor differs from the worker's; `KVO_STATUS_INVALID_STATE` if a job id is in use
@@ -1546,6 +1551,20 @@ KVO_NODISCARD
 kvo_status kvo_worker_submit_step(struct kvo_worker *w,
                                   const struct kvo_step *step,
                                   uint64_t compute_stream);
+
+/**
+ * Submits the stores deferred from the last plan (see `kvo_worker_submit_step`) now. Call it once
+ * the last plan's forward pass has been issued when no further plan follows soon (the last step,
+ * an idle engine); with CUDA the stores start after the work then queued on that plan's
+ * compute stream.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_STATE` after shutdown
+ * (then nothing is submitted).
+ *
+ * # Safety
+ * `w` NULL or live.
+ */
+KVO_NODISCARD kvo_status kvo_worker_submit_stores(struct kvo_worker *w);
 
 /**
  * Writes up to `cap` finished jobs to `out` and their number to `*out_n`; the rest stay for the
@@ -1584,8 +1603,10 @@ kvo_status kvo_worker_job_error(const struct kvo_worker *w,
                                 size_t *out_len);
 
 /**
- * Blocks until every listed job has finished, or `timeout_ms` passes. Completions remain to be
- * polled. (`kvo_worker_submit_step` already waits for a plan's flush set.)
+ * Blocks until every listed job has finished, or `timeout_ms` passes. Naming a store deferred
+ * by `kvo_worker_submit_step` submits the deferred stores first (so wait only once the step's
+ * forward pass has been issued). Completions remain to be polled. (`kvo_worker_submit_step`
+ * already waits for a plan's flush set.)
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an id never
  * submitted or already handed out by `kvo_worker_poll`; `KVO_STATUS_TIMEOUT`;

@@ -605,6 +605,7 @@ FUNCTIONS = {
         True,
     ),
     "kvo_worker_submit_step": (kvo_status, [_WorkerP, _StepP, c_uint64], True),
+    "kvo_worker_submit_stores": (kvo_status, [_WorkerP], True),
     "kvo_worker_poll": (kvo_status, [_WorkerP, POINTER(kvo_completion), c_size_t, _sizep], True),
     "kvo_worker_job_error": (
         kvo_status,

@@ -42,6 +42,7 @@ _failure = _ffi.failure
 _addressof = ctypes.addressof
 _submit_job = _fast["kvo_worker_submit_job"]
 _submit_step = _fast["kvo_worker_submit_step"]
+_submit_stores = _fast["kvo_worker_submit_stores"]
 _poll = _fast["kvo_worker_poll"]
 _job_error_fn = _fast["kvo_worker_job_error"]
 _wait = _fast["kvo_worker_wait"]
@@ -383,8 +384,11 @@ class Worker(_Handle):
             raise _failure(st)
 
     def submit_step(self, step: Step, compute_stream: int = 0) -> None:
-        """Submits every job of a :class:`Step` (from :meth:`Scheduler.build_step` or
-        :meth:`Step.decode`), loads first. Raises :class:`InvalidArgumentError` if the plan's
+        """Executes a :class:`Step` (from :meth:`Scheduler.build_step` or :meth:`Step.decode`)
+        before its forward pass: submits the previous plan's deferred stores, waits for the
+        flush set, submits the loads, and defers the plan's stores (they read what this step's
+        forward pass writes) to the next :meth:`submit_step`, :meth:`submit_stores`, or a
+        :meth:`wait` naming one. Raises :class:`InvalidArgumentError` if the plan's
         block_size_factor differs from the worker's, :class:`InvalidStateError` if one of its
         job ids is in flight or after :meth:`shutdown` (then nothing is submitted)."""
         h = self._h
@@ -396,6 +400,17 @@ class Worker(_Handle):
         if sh is None:
             raise step._closed_error()
         st = _submit_step(h, sh, _u64("compute_stream", compute_stream))
+        if st:
+            raise _failure(st)
+
+    def submit_stores(self) -> None:
+        """Submits the stores deferred from the last plan now (once its forward pass has been
+        issued, when no further plan follows soon). Raises :class:`InvalidStateError` after
+        :meth:`shutdown`."""
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        st = _submit_stores(h)
         if st:
             raise _failure(st)
 

@@ -612,3 +612,72 @@ fn submit_step_waits_for_the_flush_set_first() {
     w.wait(&[store], Duration::ZERO).unwrap();
     assert_eq!(host_sub_block(&w, 0, 0, 0, page), a.page(3));
 }
+
+/// A plan's stores read the KV its own forward pass writes: `submit_step` defers them, so they
+/// copy what the forward pass wrote (not what the blocks held before it), and they are
+/// submitted by the next plan, `submit_stores`, a `wait` naming them, or `shutdown`.
+#[test]
+fn a_plans_stores_copy_what_its_forward_pass_wrote() {
+    let mut a = Mem::new(1, 8, 64, 64);
+    let mut w = worker(1, 8, &[&a]);
+    let forward = |a: &mut Mem, b: u32, v: u8| {
+        let at = (b as u64 * 64) as usize;
+        bytes_mut(&mut a.buf)[at..at + 64].fill(v);
+    };
+    let plan = |id: u64, block: u32, slot: u32| {
+        let mut s = Step::new();
+        s.clear(1);
+        s.push_job(id, Direction::Store, 7, 0, &[block], &[slot]);
+        s
+    };
+
+    // Step 1's store: deferred until step 2's submit_step.
+    w.submit_step(&plan(1, 0, 0), 0).unwrap();
+    forward(&mut a, 0, 0xA1);
+    std::thread::sleep(Duration::from_millis(20));
+    let mut out = Vec::new();
+    w.poll(&mut out, 16).unwrap();
+    assert!(
+        out.is_empty(),
+        "a deferred store does not run before the next step"
+    );
+    assert!(
+        matches!(
+            w.submit(
+                1,
+                &JobBlocks {
+                    kind: Direction::Store,
+                    src: &[1],
+                    dst: &[1],
+                    block_index: 0
+                },
+                0
+            ),
+            Err(Error::InvalidState(_))
+        ),
+        "its id is in use"
+    );
+    w.submit_step(&plan(2, 1, 1), 0).unwrap();
+    forward(&mut a, 1, 0xA2);
+    assert_eq!(drain(&mut w, &[1]).len(), 1);
+    assert_eq!(host_sub_block(&w, 0, 0, 0, 64), vec![0xA1; 64]);
+
+    // Step 2's store: a wait naming it submits it (after the forward pass).
+    assert_eq!(drain(&mut w, &[2]).len(), 1);
+    assert_eq!(host_sub_block(&w, 0, 1, 0, 64), vec![0xA2; 64]);
+
+    // submit_stores, and shutdown, submit what is deferred.
+    w.submit_step(&plan(3, 2, 2), 0).unwrap();
+    forward(&mut a, 2, 0xA3);
+    w.submit_stores().unwrap();
+    w.submit_step(&plan(4, 3, 3), 0).unwrap();
+    forward(&mut a, 3, 0xA4);
+    w.shutdown().unwrap();
+    let mut out = Vec::new();
+    w.poll(&mut out, 16).unwrap();
+    let ids: Vec<u64> = out.iter().map(|c| c.job_id).collect();
+    assert_eq!(ids, [3, 4]);
+    assert_eq!(host_sub_block(&w, 0, 2, 0, 64), vec![0xA3; 64]);
+    assert_eq!(host_sub_block(&w, 0, 3, 0, 64), vec![0xA4; 64]);
+    assert!(matches!(w.submit_stores(), Err(Error::InvalidState(_))));
+}

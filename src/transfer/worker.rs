@@ -59,6 +59,12 @@ pub struct Worker {
     scratch: Vec<Completion>,
     scratch_ids: HashSet<u64>,
     descs: Vec<CopyDesc>,
+    /// The last plan's stores, not yet submitted: they read KV that the plan's forward pass
+    /// writes, so they are submitted at the next `submit_step`, `submit_stores` or a `wait`
+    /// naming one of them (vLLM 0.24 likewise submits step N's stores at step N + 1).
+    deferred: Step,
+    /// The compute stream given with the deferred stores.
+    deferred_stream: u64,
     shut_down: bool,
 }
 
@@ -130,6 +136,8 @@ impl Worker {
             scratch: Vec::new(),
             scratch_ids: HashSet::new(),
             descs: Vec::new(),
+            deferred: Step::new(),
+            deferred_stream: 0,
             shut_down: false,
         })
     }
@@ -151,12 +159,43 @@ impl Worker {
         if self.shut_down {
             return Err(Error::InvalidState("worker is shut down".into()));
         }
-        if self.known.contains(&job_id) {
+        if self.known.contains(&job_id) || self.is_deferred(job_id) {
             return Err(Error::InvalidState(format!(
                 "job_id: {job_id} is already submitted"
             )));
         }
         Ok(())
+    }
+
+    fn is_deferred(&self, job_id: u64) -> bool {
+        self.deferred.jobs().iter().any(|j| j.id == job_id)
+    }
+
+    /// Submits the stores deferred from the last plan (see [`Self::submit_step`]) now: call it
+    /// once that plan's forward pass has been issued, when no further plan follows soon (the
+    /// last step, an idle engine). With CUDA they start after the work queued on the compute
+    /// stream given with the plan. Fails only after shutdown (then nothing is submitted).
+    pub fn submit_stores(&mut self) -> Result<()> {
+        if self.shut_down {
+            return Err(Error::InvalidState("worker is shut down".into()));
+        }
+        let deferred = std::mem::take(&mut self.deferred);
+        let stream = self.deferred_stream;
+        let mut first_err = Ok(());
+        for j in deferred.jobs() {
+            let blocks = JobBlocks {
+                kind: j.kind,
+                src: deferred.src(j),
+                dst: deferred.dst(j),
+                block_index: j.block_index,
+            };
+            if let Err(e) = self.submit(j.id, &blocks, stream) {
+                first_err = first_err.and(Err(e));
+            }
+        }
+        self.deferred = deferred;
+        self.deferred.clear(self.cfg.block_size_factor);
+        first_err
     }
 
     /// Submits one job. Block ids outside the registration or counts that do not fit the group
@@ -192,11 +231,15 @@ impl Worker {
         Ok(())
     }
 
-    /// Executes a step plan: first waits for the plan's flush set (jobs of earlier steps that must
-    /// finish before this step's copies and forward pass; ids already finished and handed out are
-    /// skipped), then submits every job (loads first, in plan order). Fails, submitting nothing,
-    /// if a job id is in use or repeated, the plan's factor differs from the worker's, or after
-    /// shutdown.
+    /// Executes a step plan, to be called before the plan's forward pass: submits the stores
+    /// deferred from the previous plan (whose forward pass has been issued by now), waits for the
+    /// plan's flush set (jobs of earlier steps that must finish before this step's copies and
+    /// forward pass; ids already finished and handed out are skipped), submits the plan's loads,
+    /// and defers its stores: they read the KV this step's forward pass writes, so they are
+    /// submitted with the next plan, by [`Self::submit_stores`], or by a [`Self::wait`] naming
+    /// one of them. `compute_stream` (CUDA) is the stream the forward pass runs on. Fails,
+    /// submitting nothing, if a job id is in use or repeated, the plan's factor differs from the
+    /// worker's, or after shutdown.
     pub fn submit_step(&mut self, step: &Step, compute_stream: u64) -> Result<()> {
         if self.shut_down {
             return Err(Error::InvalidState("worker is shut down".into()));
@@ -218,8 +261,13 @@ impl Worker {
                 )));
             }
         }
+        self.submit_stores()?;
         self.backend.wait(step.flush(), Duration::MAX)?;
         for j in step.jobs() {
+            if j.kind == Direction::Store {
+                self.deferred.push_from(step, j);
+                continue;
+            }
             let blocks = JobBlocks {
                 kind: j.kind,
                 src: step.src(j),
@@ -228,6 +276,7 @@ impl Worker {
             };
             self.submit(j.id, &blocks, compute_stream)?;
         }
+        self.deferred_stream = compute_stream;
         Ok(())
     }
 
@@ -265,18 +314,22 @@ impl Worker {
         Ok(())
     }
 
-    /// Blocks until every listed job has finished (the flush before a forward pass). Fails with
-    /// [`Error::NotFound`] for an id never submitted or already reported by `poll`, with
-    /// [`Error::Timeout`] when `timeout` passes first.
+    /// Blocks until every listed job has finished (the flush before a forward pass); naming a
+    /// deferred store submits the deferred stores first. Fails with [`Error::NotFound`] for an
+    /// id never submitted or already reported by `poll`, with [`Error::Timeout`] when `timeout`
+    /// passes first.
     pub fn wait(&mut self, job_ids: &[u64], timeout: Duration) -> Result<()> {
         if let Some((i, id)) = job_ids
             .iter()
             .enumerate()
-            .find(|(_, id)| !self.known.contains(*id))
+            .find(|(_, id)| !self.known.contains(*id) && !self.is_deferred(**id))
         {
             return Err(Error::NotFound(format!(
                 "job_ids[{i}]: {id} is not in flight"
             )));
+        }
+        if job_ids.iter().any(|&id| self.is_deferred(id)) {
+            self.submit_stores()?;
         }
         self.backend.wait(job_ids, timeout)
     }
@@ -368,8 +421,12 @@ impl Worker {
         Ok(())
     }
 
-    /// Finishes every job in flight, then refuses new submissions. Completions stay pollable.
+    /// Submits the deferred stores, finishes every job in flight, then refuses new submissions.
+    /// Completions stay pollable.
     pub fn shutdown(&mut self) -> Result<()> {
+        if !self.shut_down {
+            self.submit_stores()?;
+        }
         let ids: Vec<u64> = self.known.iter().copied().collect();
         self.backend.wait(&ids, Duration::MAX)?;
         self.shut_down = true;
