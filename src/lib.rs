@@ -9,7 +9,6 @@
 pub mod error;
 pub mod ffi;
 pub mod manager;
-pub mod replay;
 pub mod scheduler;
 pub mod transfer;
 
