@@ -14,7 +14,8 @@
 //!    so one token is computed): a load job makes the request wait for the load's completion,
 //!    else it is scheduled in this step.
 //! 3. **`build_step`** with the scheduled and preempted requests; the plan's jobs are shipped
-//!    and complete `transfer_delay_steps` steps later (jobs in the flush set: in this step).
+//!    and their completions are reported `transfer_delay_steps` steps later (the copies of the
+//!    plan's flush set finish before this step's forward pass, their reports keep that delay).
 //! 4. **The forward pass**: computed full blocks enter the GPU prefix cache (with `--copy`,
 //!    after the flush set finished, they are filled with their pattern and the step's jobs are
 //!    submitted to the worker); a request that generated its last token is finished
@@ -623,13 +624,10 @@ impl<'w> Engine<'w> {
                 num_blocks: n as usize,
             });
         }
+        // The flush set's copies finish before this step's forward pass (with --copy the worker
+        // waits for them); their reports still arrive on the queue's schedule.
         let flush = self.plan.flush();
         self.stats.flushed_jobs += flush.len() as u64;
-        for q in &mut self.queue {
-            if flush.binary_search(&q.id).is_ok() {
-                q.due = self.step_no;
-            }
-        }
         if let Some(c) = &mut self.copier {
             c.flush(flush)?;
         }

@@ -33,6 +33,9 @@ fn progress_bar(len: u64, what: &str) -> ProgressBar {
 
 fn run(plan: &Plan) -> Result<Report> {
     let work = plan.workload()?;
+    if let Some(path) = &plan.write_trace {
+        trace::write(&work, path)?;
+    }
     let cfg = plan.engine(&work)?;
     let host_blocks = plan.host_blocks(&work)?;
     let mut runs = Vec::new();

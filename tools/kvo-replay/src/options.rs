@@ -86,6 +86,9 @@ pub struct Options {
     /// content of every loaded block (needs a GPU cache size: --gpu-blocks > 0).
     #[arg(long)]
     pub copy: bool,
+    /// Write the workload (the embedded one, or the trace) to FILE in the trace format, then run.
+    #[arg(long, value_name = "FILE")]
+    pub write_trace: Option<PathBuf>,
     /// Check the scheduler's invariants every N steps (0: at the end only).
     #[arg(long, default_value_t = 0)]
     pub check_every: u64,
@@ -100,6 +103,7 @@ pub struct Plan {
     pub plot: Option<PathBuf>,
     pub json: bool,
     pub copy: bool,
+    pub write_trace: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone)]
@@ -171,6 +175,7 @@ impl Options {
             plot: self.plot,
             json: self.json,
             copy: self.copy,
+            write_trace: self.write_trace,
             opts: OptionsCopy {
                 trace: self.trace,
                 block_tokens: self.block_tokens,

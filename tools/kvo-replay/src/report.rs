@@ -114,7 +114,9 @@ impl Report {
         row("  host-tier hits", &|r| tier(r, share(r.host_hit_tokens, r.host_hit_pct)));
         row("  computed", &|r| thousands(r.computed_tokens));
         row("prefill saved vs none", &|r| {
-            tier(r, format!("{} ({:.1} %)", r.prefill_saved_tokens, r.prefill_saved_pct))
+            let sign = if r.prefill_saved_tokens < 0 { "-" } else { "" };
+            let n = thousands(r.prefill_saved_tokens.unsigned_abs());
+            tier(r, format!("{sign}{n} ({:.1} %)", r.prefill_saved_pct))
         });
         row("deferred: jobs in flight", &|r| tier(r, thousands(r.deferrals.jobs_in_flight)));
         row("deferred: store in flight", &|r| tier(r, thousands(r.deferrals.store_in_flight)));

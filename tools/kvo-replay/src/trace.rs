@@ -4,7 +4,8 @@
 //! be partial), prefix-chained: equal ids at a position mean an equal prefix up to that block.
 
 use anyhow::{Context, Result, bail};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
+use std::io::Write;
 use std::path::Path;
 
 /// One request of a workload.
@@ -50,7 +51,7 @@ impl Workload {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 struct Line {
     timestamp: u64,
     input_length: u64,
@@ -134,4 +135,33 @@ mod tests {
         assert!(e.contains("input_length"), "{e}");
         assert!(parse("\n", 2, "t").is_err());
     }
+
+    #[test]
+    fn written_traces_read_back() {
+        let t = "{\"timestamp\": 1, \"input_length\": 3, \"output_length\": 1, \"hash_ids\": [1, 2]}\n";
+        let w = parse(t, 2, "t").unwrap();
+        let path = std::env::temp_dir().join(format!("kvo-replay-trace-{}.jsonl", std::process::id()));
+        write(&w, &path).unwrap();
+        let back = read(&path, 2).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(back.requests, w.requests);
+    }
+}
+
+/// Writes `w` as a trace (the same format [`read`] reads).
+pub fn write(w: &Workload, path: &Path) -> Result<()> {
+    let mut out = std::io::BufWriter::new(
+        std::fs::File::create(path).with_context(|| format!("{}", path.display()))?,
+    );
+    for r in &w.requests {
+        let line = Line {
+            timestamp: r.arrival_ms,
+            input_length: r.input_tokens,
+            output_length: r.output_tokens,
+            hash_ids: r.blocks.clone(),
+        };
+        serde_json::to_writer(&mut out, &line)?;
+        out.write_all(b"\n")?;
+    }
+    out.flush().with_context(|| format!("{}", path.display()))
 }

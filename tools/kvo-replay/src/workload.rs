@@ -81,7 +81,7 @@ impl Default for ChatParams {
             one_offs: 1000,
             one_off_tokens: (1500.0, 1.0),
             max_one_off_tokens: 32_768,
-            duration_ms: 600_000,
+            duration_ms: 300_000,
         }
     }
 }

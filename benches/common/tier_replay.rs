@@ -1,0 +1,346 @@
+//! Tier replay for the manager benchmark and `tests/replay.rs` (included by `#[path]`): drives
+//! the offload tier alone with the block sequence of a request trace (Mooncake format, one JSON
+//! object a line with `hash_ids`), through the Rust API or the C ABI.
+//!
+//! Per request: prefix lookup of its keys, touch, prepare/complete load of the hits, then
+//! prepare/complete store of all its blocks (already stored ones are filtered by the tier).
+//! A failing call panics: these are a benchmark's and a test's helpers.
+
+#![allow(dead_code)]
+
+use kvoffload::ffi::{self, kvo_policy, kvo_status};
+use kvoffload::manager::{Manager, ManagerConfig, ManagerStats, Policy, StorePlan};
+use kvoffload::{Error, Result};
+use std::path::Path;
+
+/// One request of a trace.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct TraceRequest {
+    /// Arrival time in milliseconds.
+    #[serde(default)]
+    pub timestamp: u64,
+    /// Prompt tokens.
+    #[serde(default)]
+    pub input_length: u64,
+    /// Generated tokens.
+    #[serde(default)]
+    pub output_length: u64,
+    /// Prefix-chained block hashes of the prompt.
+    pub hash_ids: Vec<u64>,
+}
+
+/// Reads a JSON-lines trace.
+pub fn load_trace(path: &Path) -> std::result::Result<Vec<TraceRequest>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| format!("{} line {}: {e}", path.display(), i + 1))
+        })
+        .collect()
+}
+
+/// The trace's requests as flat key buffers: each hash id as a big-endian `u64`, zero-padded on
+/// the left to `key_len` bytes (`key_len >= 8`).
+pub fn trace_keys(trace: &[TraceRequest], key_len: usize) -> Vec<Vec<u8>> {
+    assert!(key_len >= 8, "key_len {key_len} < 8");
+    trace
+        .iter()
+        .map(|r| {
+            let mut flat = vec![0u8; r.hash_ids.len() * key_len];
+            for (chunk, id) in flat.chunks_exact_mut(key_len).zip(&r.hash_ids) {
+                chunk[key_len - 8..].copy_from_slice(&id.to_be_bytes());
+            }
+            flat
+        })
+        .collect()
+}
+
+/// What a replay observed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplayOutcome {
+    /// Requests replayed.
+    pub requests: u64,
+    /// Blocks over all requests.
+    pub blocks: u64,
+    /// Blocks loaded from the tier (prefix hits).
+    pub hit_blocks: u64,
+    /// Blocks stored.
+    pub stored_blocks: u64,
+    /// Requests whose store found no room.
+    pub no_room: u64,
+}
+
+/// The tier operations a replay needs: the Rust API or the C ABI behind one interface.
+pub trait Tier {
+    /// Maximal ready prefix of `keys`.
+    fn lookup_prefix(&mut self, keys: &[u8]) -> usize;
+    /// Touch `keys`.
+    fn touch(&mut self, keys: &[u8]);
+    /// Maximal ready prefix of `keys`, then touch them all.
+    fn lookup_prefix_touch(&mut self, keys: &[u8]) -> usize {
+        let hits = self.lookup_prefix(keys);
+        self.touch(keys);
+        hits
+    }
+    /// Pin and release `keys` (a load that completes at once).
+    fn load(&mut self, keys: &[u8]);
+    /// Store `keys` and complete the stores at once; returns the stored count or `None` on
+    /// "no room".
+    fn store(&mut self, keys: &[u8]) -> Option<usize>;
+}
+
+/// Replays `requests` (flat key buffers) through `tier`.
+pub fn replay(tier: &mut impl Tier, requests: &[Vec<u8>], key_len: usize) -> ReplayOutcome {
+    let mut out = ReplayOutcome::default();
+    for keys in requests {
+        let hits = tier.lookup_prefix_touch(keys);
+        if hits > 0 {
+            tier.load(&keys[..hits * key_len]);
+        }
+        match tier.store(keys) {
+            Some(n) => out.stored_blocks += n as u64,
+            None => out.no_room += 1,
+        }
+        out.requests += 1;
+        out.blocks += (keys.len() / key_len) as u64;
+        out.hit_blocks += hits as u64;
+    }
+    out
+}
+
+/// The keys of `keys` at `indices` (ascending): a slice of `keys` when they are contiguous (the
+/// usual case: all but a prefix of hits), else gathered into `buf`.
+fn stored_keys<'a>(keys: &'a [u8], kl: usize, indices: &[u32], buf: &'a mut Vec<u8>) -> &'a [u8] {
+    match (indices.first(), indices.last()) {
+        (Some(&a), Some(&b)) if (b - a) as usize + 1 == indices.len() => {
+            &keys[a as usize * kl..(b as usize + 1) * kl]
+        }
+        _ => {
+            buf.clear();
+            for &i in indices {
+                buf.extend_from_slice(&keys[i as usize * kl..(i as usize + 1) * kl]);
+            }
+            buf
+        }
+    }
+}
+
+/// The Rust API as a [`Tier`], with reusable scratch buffers.
+pub struct RustTier {
+    /// The manager driven.
+    pub manager: Manager,
+    plan: StorePlan,
+    slots: Vec<u32>,
+    done: Vec<u8>,
+}
+
+impl RustTier {
+    /// A tier over a new manager.
+    pub fn new(cfg: ManagerConfig) -> Result<Self> {
+        Ok(Self {
+            manager: Manager::new(cfg)?,
+            plan: StorePlan::default(),
+            slots: Vec::new(),
+            done: Vec::new(),
+        })
+    }
+}
+
+impl Tier for RustTier {
+    fn lookup_prefix(&mut self, keys: &[u8]) -> usize {
+        self.manager
+            .lookup_prefix(keys)
+            .expect("lookup_prefix")
+            .hits
+    }
+
+    fn touch(&mut self, keys: &[u8]) {
+        self.manager.touch(keys).expect("touch");
+    }
+
+    fn lookup_prefix_touch(&mut self, keys: &[u8]) -> usize {
+        let n = keys.len() / self.manager.key_len();
+        let p = self.manager.lookup_prefix_touch(keys, 0..n);
+        p.expect("lookup_prefix_touch").hits
+    }
+
+    fn load(&mut self, keys: &[u8]) {
+        self.slots.resize(keys.len() / self.manager.key_len(), 0);
+        self.manager
+            .prepare_load(keys, &mut self.slots)
+            .expect("prepare_load");
+        self.manager.complete_load(keys).expect("complete_load");
+    }
+
+    fn store(&mut self, keys: &[u8]) -> Option<usize> {
+        let kl = self.manager.key_len();
+        match self.manager.prepare_store(keys, &mut self.plan) {
+            Ok(c) => {
+                let done = stored_keys(keys, kl, &self.plan.indices, &mut self.done);
+                self.manager
+                    .complete_store_at(done, &self.plan.slots, true)
+                    .expect("complete_store");
+                Some(c.stored)
+            }
+            Err(Error::NoRoom(_)) => None,
+            Err(e) => panic!("prepare_store: {e}"),
+        }
+    }
+}
+
+/// The C ABI as a [`Tier`]: the same calls a C or Python host makes.
+pub struct FfiTier {
+    handle: *mut ffi::kvo_manager,
+    key_len: usize,
+    idx: Vec<u32>,
+    slots: Vec<u32>,
+    evicted: Vec<u8>,
+    done: Vec<u8>,
+}
+
+impl FfiTier {
+    /// A tier over a new C handle, configured with every field of `cfg`.
+    pub fn new(cfg: &ManagerConfig) -> Self {
+        let c = ffi::kvo_manager_config {
+            struct_size: size_of::<ffi::kvo_manager_config>(),
+            key_len: cfg.key_len.try_into().expect("key_len fits the C field"),
+            policy: match cfg.policy {
+                Policy::Lru => kvo_policy::Lru,
+                Policy::Arc => kvo_policy::Arc,
+            } as u32,
+            num_slots: cfg.num_slots as u64,
+            store_threshold: cfg.store_threshold,
+            enable_events: cfg.enable_events.into(),
+            max_tracker_size: cfg.max_tracker_size as u64,
+        };
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: a valid config and out-pointer; the handle is freed in Drop.
+        assert_eq!(
+            unsafe { ffi::kvo_manager_new(&c, &mut handle) },
+            kvo_status::Ok
+        );
+        Self {
+            handle,
+            key_len: cfg.key_len,
+            idx: vec![],
+            slots: vec![],
+            evicted: vec![],
+            done: vec![],
+        }
+    }
+
+    /// The tier's stats through the C ABI.
+    pub fn stats(&self) -> ffi::kvo_manager_stats {
+        let mut s = ffi::kvo_manager_stats {
+            struct_size: size_of::<ffi::kvo_manager_stats>(),
+            ..Default::default()
+        };
+        // SAFETY: live handle, valid out-pointer.
+        assert_eq!(
+            unsafe { ffi::kvo_manager_get_stats(self.handle, &mut s) },
+            kvo_status::Ok
+        );
+        s
+    }
+}
+
+impl Drop for FfiTier {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from kvo_manager_new and is freed once.
+        unsafe { ffi::kvo_manager_free(self.handle) }
+    }
+}
+
+impl Tier for FfiTier {
+    fn lookup_prefix(&mut self, keys: &[u8]) -> usize {
+        let n = keys.len() / self.key_len;
+        let (mut hits, mut retry) = (0usize, 0u32);
+        // SAFETY: live handle; `keys` holds n keys; valid out-pointers.
+        let st = unsafe {
+            ffi::kvo_manager_lookup_prefix(self.handle, keys.as_ptr(), n, &mut hits, &mut retry)
+        };
+        assert_eq!(st, kvo_status::Ok);
+        hits
+    }
+
+    fn touch(&mut self, keys: &[u8]) {
+        // SAFETY: as above.
+        let st = unsafe {
+            ffi::kvo_manager_touch(self.handle, keys.as_ptr(), keys.len() / self.key_len)
+        };
+        assert_eq!(st, kvo_status::Ok);
+    }
+
+    fn load(&mut self, keys: &[u8]) {
+        let n = keys.len() / self.key_len;
+        self.slots.resize(n, 0);
+        // SAFETY: as above; `slots` holds n entries.
+        unsafe {
+            let st = ffi::kvo_manager_prepare_load(
+                self.handle,
+                keys.as_ptr(),
+                n,
+                self.slots.as_mut_ptr(),
+                n,
+            );
+            assert_eq!(st, kvo_status::Ok);
+            assert_eq!(
+                ffi::kvo_manager_complete_load(self.handle, keys.as_ptr(), n),
+                kvo_status::Ok
+            );
+        }
+    }
+
+    fn store(&mut self, keys: &[u8]) -> Option<usize> {
+        let (kl, n) = (self.key_len, keys.len() / self.key_len);
+        self.idx.resize(n, 0);
+        self.slots.resize(n, 0);
+        self.evicted.resize(n * kl, 0);
+        let (mut ns, mut ne) = (0usize, 0usize);
+        // SAFETY: as above; every output holds n entries.
+        let st = unsafe {
+            ffi::kvo_manager_prepare_store(
+                self.handle,
+                keys.as_ptr(),
+                n,
+                self.idx.as_mut_ptr(),
+                self.slots.as_mut_ptr(),
+                self.evicted.as_mut_ptr(),
+                n,
+                &mut ns,
+                &mut ne,
+            )
+        };
+        match st {
+            kvo_status::Ok => {}
+            kvo_status::NoRoom => return None,
+            s => panic!("prepare_store: {s:?}"),
+        }
+        let done = stored_keys(keys, kl, &self.idx[..ns], &mut self.done);
+        // SAFETY: as above; `done` holds ns keys and `slots` ns slots.
+        let st = unsafe {
+            ffi::kvo_manager_complete_store_at(
+                self.handle,
+                done.as_ptr(),
+                self.slots.as_ptr(),
+                ns,
+                1,
+            )
+        };
+        assert_eq!(st, kvo_status::Ok);
+        Some(ns)
+    }
+}
+
+/// Manager stats after a replay through the Rust API (for reports).
+pub fn replay_rust(
+    cfg: ManagerConfig,
+    requests: &[Vec<u8>],
+) -> Result<(ReplayOutcome, ManagerStats)> {
+    let kl = cfg.key_len;
+    let mut tier = RustTier::new(cfg)?;
+    let out = replay(&mut tier, requests, kl);
+    Ok((out, tier.manager.stats()))
+}
