@@ -15,7 +15,6 @@ mod sweep;
 mod trace;
 mod workload;
 
-use anyhow::Result;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use options::{Options, Plan};
@@ -31,13 +30,25 @@ fn progress_bar(len: u64, what: &str) -> ProgressBar {
     bar
 }
 
-fn run(plan: &Plan) -> Result<Report> {
+/// Why a run failed: an option impossible for the workload (exit 2) or anything else (exit 1).
+enum Failure {
+    Usage(anyhow::Error),
+    Run(anyhow::Error),
+}
+
+impl From<anyhow::Error> for Failure {
+    fn from(e: anyhow::Error) -> Self {
+        Failure::Run(e)
+    }
+}
+
+fn run(plan: &Plan) -> Result<Report, Failure> {
     let work = plan.workload()?;
     if let Some(path) = &plan.write_trace {
         trace::write(&work, path)?;
     }
-    let cfg = plan.engine(&work)?;
-    let host_blocks = plan.host_blocks(&work)?;
+    let cfg = plan.engine(&work).map_err(Failure::Usage)?;
+    let host_blocks = plan.host_blocks(&work).map_err(Failure::Usage)?;
     let mut runs = Vec::new();
     let mut tiers = vec![None];
     tiers.extend(plan.policies.iter().map(|&policy| {
@@ -128,7 +139,11 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Err(e) => {
+        Err(Failure::Usage(e)) => {
+            eprintln!("kvo-replay: error: {e:#}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Run(e)) => {
             eprintln!("kvo-replay: error: {e:#}");
             ExitCode::FAILURE
         }

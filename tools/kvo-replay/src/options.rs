@@ -226,6 +226,20 @@ impl Plan {
                 u32::try_from(n).map_err(|_| anyhow::anyhow!("--gpu-blocks: {n} needed, too many"))?
             }
         };
+        if gpu_blocks > 0 {
+            let (i, need) = work
+                .requests
+                .iter()
+                .map(|r| (r.input_tokens + r.output_tokens.max(1)).div_ceil(gbs))
+                .enumerate()
+                .max_by_key(|&(_, n)| n)
+                .unwrap_or((0, 0));
+            if need > gpu_blocks as u64 {
+                bail!(
+                    "--gpu-blocks: request {i} needs {need} GPU blocks of {gbs} tokens, more than the {gpu_blocks} of the cache"
+                );
+            }
+        }
         Ok(EngineConfig {
             factor: o.factor,
             gpu_blocks,
