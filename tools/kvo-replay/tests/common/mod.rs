@@ -80,56 +80,93 @@ pub fn unlimited_hits(reqs: &[Req], bt: u64) -> u64 {
     total
 }
 
-/// Hit tokens of a plain LRU prefix cache of `capacity` blocks, one request at a time: after
-/// its lookup a request's cached blocks become the most recently used (its first block the
-/// most recent of them, as vLLM touches blocks in reverse), then its missing blocks are
-/// inserted in order, evicting least recently used blocks of other requests; when too few can
-/// be evicted none is inserted.
+/// Hit tokens of a plain LRU prefix cache of `capacity` blocks, one request at a time, in the
+/// order of vLLM's offloading connector:
+/// 1. lookup: the request's cached blocks become the most recently used, its first block the
+///    most recent of them (vLLM touches blocks in reverse);
+/// 2. the hit blocks are loaded; their release makes them the most recent, in prompt order;
+/// 3. the blocks after the hit are stored: the missing ones are inserted in order, evicting the
+///    least recently used blocks other than those after the hit (a hit block may go); when too
+///    few can be evicted, none is inserted; a store that inserts any touches the request's
+///    cached blocks again as in 1 (after its evictions, before its blocks are inserted).
 pub fn lru_hits(reqs: &[Req], bt: u64, capacity: usize) -> u64 {
-    // Recency by a counter: key -> stamp, and stamp -> key ordered.
-    let mut stamp_of: HashMap<u64, u64> = HashMap::new();
-    let mut by_stamp: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
-    let mut clock = 0u64;
+    let mut lru = Lru::default();
     let mut total = 0;
     for r in reqs {
         let f = full(r, bt);
-        total += hit_tokens(f.iter().take_while(|b| stamp_of.contains_key(*b)).count(), bt, r.input);
-        for b in f.iter().rev() {
-            if let Some(s) = stamp_of.get_mut(b) {
-                by_stamp.remove(s);
-                clock += 1;
-                *s = clock;
-                by_stamp.insert(clock, *b);
-            }
+        let hits = f.iter().take_while(|b| lru.has(**b)).count();
+        total += hit_tokens(hits, bt, r.input);
+        lru.touch_reversed(f);
+        for &b in &f[..hits] {
+            lru.use_now(b);
         }
-        let mine: HashSet<u64> = f.iter().copied().collect();
+        let named = &f[hits..];
         let mut missing: Vec<u64> = Vec::new();
-        for b in f {
-            if !stamp_of.contains_key(b) && !missing.contains(b) {
-                missing.push(*b);
+        for &b in named {
+            if !lru.has(b) && !missing.contains(&b) {
+                missing.push(b);
             }
         }
-        let over = (stamp_of.len() + missing.len()).saturating_sub(capacity);
-        let victims: Vec<(u64, u64)> = by_stamp
-            .iter()
-            .filter(|(_, k)| !mine.contains(k))
-            .take(over)
-            .map(|(&s, &k)| (s, k))
-            .collect();
-        if victims.len() < over {
+        if missing.is_empty() {
             continue;
         }
-        for (s, k) in victims {
-            by_stamp.remove(&s);
-            stamp_of.remove(&k);
+        let over = (lru.len() + missing.len()).saturating_sub(capacity);
+        let Some(victims) = lru.oldest_except(over, named) else {
+            continue;
+        };
+        for v in victims {
+            lru.remove(v);
         }
+        lru.touch_reversed(f);
         for b in missing {
-            clock += 1;
-            stamp_of.insert(b, clock);
-            by_stamp.insert(clock, b);
+            lru.use_now(b);
         }
     }
     total
+}
+
+/// Blocks ordered by last use.
+#[derive(Default)]
+struct Lru {
+    stamp_of: HashMap<u64, u64>,
+    by_stamp: std::collections::BTreeMap<u64, u64>,
+    clock: u64,
+}
+
+impl Lru {
+    fn has(&self, b: u64) -> bool {
+        self.stamp_of.contains_key(&b)
+    }
+    fn len(&self) -> usize {
+        self.stamp_of.len()
+    }
+    /// Makes `b` the most recently used (inserting it).
+    fn use_now(&mut self, b: u64) {
+        if let Some(s) = self.stamp_of.get(&b) {
+            self.by_stamp.remove(s);
+        }
+        self.clock += 1;
+        self.stamp_of.insert(b, self.clock);
+        self.by_stamp.insert(self.clock, b);
+    }
+    /// Uses the cached blocks of `keys`, last first.
+    fn touch_reversed(&mut self, keys: &[u64]) {
+        for &b in keys.iter().rev() {
+            if self.has(b) {
+                self.use_now(b);
+            }
+        }
+    }
+    /// The `n` least recently used blocks not in `except`, or None if there are fewer.
+    fn oldest_except(&self, n: usize, except: &[u64]) -> Option<Vec<u64>> {
+        let v: Vec<u64> = self.by_stamp.values().filter(|k| !except.contains(k)).take(n).copied().collect();
+        (v.len() == n).then_some(v)
+    }
+    fn remove(&mut self, b: u64) {
+        if let Some(s) = self.stamp_of.remove(&b) {
+            self.by_stamp.remove(&s);
+        }
+    }
 }
 
 /// Prompt tokens of a trace.
