@@ -7,9 +7,9 @@ use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, 
 use kvoffload::manager::{Manager, ManagerConfig, Policy, StorePlan};
 #[path = "common/tier_replay.rs"]
 mod tier_replay;
-use tier_replay::{FfiTier, RustTier, load_trace, replay, trace_keys};
 use std::hint::black_box;
 use std::path::Path;
+use tier_replay::{FfiTier, RustTier, load_trace, replay, trace_keys};
 
 const SLOTS: usize = 1 << 20;
 
@@ -93,7 +93,9 @@ fn trace_replay(c: &mut Criterion) {
     let trace = match load_trace(&path) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("SKIPPED replay_conversation_5859_slots: {e} (the trace is not part of the repository)");
+            eprintln!(
+                "SKIPPED replay_conversation_5859_slots: {e} (the trace is not part of the repository)"
+            );
             return;
         }
     };

@@ -9,9 +9,9 @@
 mod tier_replay;
 
 use kvoffload::manager::{ManagerConfig, Policy};
-use tier_replay::{FfiTier, RustTier, TraceRequest, load_trace, replay, trace_keys};
 use std::collections::HashSet;
 use std::path::Path;
+use tier_replay::{FfiTier, RustTier, TraceRequest, load_trace, replay, trace_keys};
 
 fn trace(name: &str) -> Vec<TraceRequest> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))

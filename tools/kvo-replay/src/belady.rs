@@ -127,20 +127,41 @@ mod tests {
     #[test]
     fn victims_equal_the_brute_force_choice() {
         let cases: Vec<Vec<Vec<u64>>> = vec![
-            vec![vec![1, 2, 3], vec![4, 5], vec![1, 2, 6], vec![4, 5, 7], vec![1, 2, 3]],
+            vec![
+                vec![1, 2, 3],
+                vec![4, 5],
+                vec![1, 2, 6],
+                vec![4, 5, 7],
+                vec![1, 2, 3],
+            ],
             // Ties: blocks 1 and 2 are next used by the same request; the tail (2) goes first.
             vec![vec![1, 2], vec![3], vec![1, 2]],
-            vec![vec![9, 8, 7, 6], vec![9, 8], vec![5, 4], vec![9, 8, 7], vec![5, 4, 3], vec![6]],
+            vec![
+                vec![9, 8, 7, 6],
+                vec![9, 8],
+                vec![5, 4],
+                vec![9, 8, 7],
+                vec![5, 4, 3],
+                vec![6],
+            ],
         ];
         for reqs in &cases {
             let r: Vec<&[u64]> = reqs.iter().map(|v| v.as_slice()).collect();
             for cap in 0..8 {
-                assert_eq!(run_on(&r, cap), brute_force(&r, cap), "{reqs:?} capacity {cap}");
+                assert_eq!(
+                    run_on(&r, cap),
+                    brute_force(&r, cap),
+                    "{reqs:?} capacity {cap}"
+                );
             }
         }
         let r: Vec<&[u64]> = cases[1].iter().map(|v| v.as_slice()).collect();
         let one = run_on(&r, 1);
-        assert_eq!(one.victims, vec![vec![2], vec![3], vec![2]], "the tail 2 first; 3 never again");
+        assert_eq!(
+            one.victims,
+            vec![vec![2], vec![3], vec![2]],
+            "the tail 2 first; 3 never again"
+        );
         assert_eq!(one.hits, vec![0, 0, 1]);
         assert_eq!(run_on(&r, 2).victims[1], vec![3]);
     }
@@ -152,7 +173,9 @@ mod tests {
         for _ in 0..200 {
             let reqs: Vec<Vec<u64>> = (0..rng.random_range(1..12))
                 .map(|_| {
-                    let mut v: Vec<u64> = (0..rng.random_range(0..6)).map(|_| rng.random_range(0..10)).collect();
+                    let mut v: Vec<u64> = (0..rng.random_range(0..6))
+                        .map(|_| rng.random_range(0..10))
+                        .collect();
                     v.dedup();
                     let mut seen = HashSet::new();
                     v.retain(|k| seen.insert(*k));
@@ -161,7 +184,11 @@ mod tests {
                 .collect();
             let r: Vec<&[u64]> = reqs.iter().map(|v| v.as_slice()).collect();
             let cap = rng.random_range(0..8);
-            assert_eq!(run_on(&r, cap), brute_force(&r, cap), "{reqs:?} capacity {cap}");
+            assert_eq!(
+                run_on(&r, cap),
+                brute_force(&r, cap),
+                "{reqs:?} capacity {cap}"
+            );
         }
     }
 }

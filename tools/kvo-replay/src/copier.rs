@@ -81,7 +81,9 @@ impl Copier {
     pub fn new(num_blocks: u32, page: u64, num_slots: u32, factor: u32) -> Result<Self> {
         let page_usize = usize::try_from(page).context("--kv-bytes-per-token: block too large")?;
         if page % 8 != 0 {
-            bail!("--copy: a block of {page} bytes is not a multiple of 8 (set --kv-bytes-per-token)");
+            bail!(
+                "--copy: a block of {page} bytes is not a multiple of 8 (set --kv-bytes-per-token)"
+            );
         }
         let len = page_usize
             .checked_mul(num_blocks as usize)
@@ -156,7 +158,11 @@ impl Copier {
     /// Waits for `ids` (a step's flush set) before the forward pass may write their blocks.
     pub fn flush(&mut self, ids: &[u64]) -> Result<()> {
         self.poll()?;
-        let open: Vec<u64> = ids.iter().copied().filter(|i| !self.done.contains_key(i)).collect();
+        let open: Vec<u64> = ids
+            .iter()
+            .copied()
+            .filter(|i| !self.done.contains_key(i))
+            .collect();
         if !open.is_empty() {
             self.worker
                 .wait(&open, Duration::from_secs(60))
@@ -167,7 +173,9 @@ impl Copier {
 
     /// Queues the step's jobs.
     pub fn submit(&mut self, step: &Step) -> Result<()> {
-        self.worker.submit_step(step, 0).context("--copy: submit_step")
+        self.worker
+            .submit_step(step, 0)
+            .context("--copy: submit_step")
     }
 
     fn poll(&mut self) -> Result<()> {

@@ -167,7 +167,9 @@ pub struct RunStats {
 enum State {
     Waiting,
     /// Waiting for its load job; runs with `computed` = the target once it completes.
-    Loading { target: u64 },
+    Loading {
+        target: u64,
+    },
     Running,
     Finished,
 }
@@ -219,7 +221,11 @@ fn key_into(hash: u128, key_len: usize, out: &mut Vec<u8>) {
 }
 
 fn pct(a: u64, b: u64) -> f64 {
-    if b == 0 { 0.0 } else { 100.0 * a as f64 / b as f64 }
+    if b == 0 {
+        0.0
+    } else {
+        100.0 * a as f64 / b as f64
+    }
 }
 
 /// One simulation.
@@ -268,7 +274,10 @@ impl<'w> Engine<'w> {
     fn new(work: &'w Workload, cfg: &EngineConfig, tier: Option<Tier>, copy: bool) -> Result<Self> {
         let bt = work.block_tokens;
         if cfg.factor == 0 || bt % cfg.factor != 0 {
-            bail!("--factor: {} does not divide the {bt}-token block", cfg.factor);
+            bail!(
+                "--factor: {} does not divide the {bt}-token block",
+                cfg.factor
+            );
         }
         let gbs = (bt / cfg.factor) as u64;
         if cfg.gpu_blocks > 0 {
@@ -379,15 +388,27 @@ impl<'w> Engine<'w> {
             self.stats.steps += 1;
             self.step_lib = Duration::ZERO;
             self.arrivals()?;
-            let before = (self.finished, self.stats.admissions, self.stats.computed_tokens);
+            let before = (
+                self.finished,
+                self.stats.admissions,
+                self.stats.computed_tokens,
+            );
             self.step()?;
             self.step_times.push(self.step_lib.as_secs_f64());
             if self.cfg.check_every > 0 && self.stats.steps % self.cfg.check_every == 0 {
                 self.check()?;
             }
             progress(self.finished as u64);
-            let after = (self.finished, self.stats.admissions, self.stats.computed_tokens);
-            idle_steps = if before == after && self.queue.is_empty() { idle_steps + 1 } else { 0 };
+            let after = (
+                self.finished,
+                self.stats.admissions,
+                self.stats.computed_tokens,
+            );
+            idle_steps = if before == after && self.queue.is_empty() {
+                idle_steps + 1
+            } else {
+                0
+            };
             if idle_steps > 1_000_000 {
                 bail!("the engine stalled at step {} (a bug)", self.step_no);
             }
@@ -406,7 +427,11 @@ impl<'w> Engine<'w> {
     /// Requests arrived by now join the queue (and the scheduler).
     fn arrivals(&mut self) -> Result<()> {
         let now = self.step_no.saturating_mul(self.cfg.step_ms);
-        let (bt, f, kl) = (self.work.block_tokens as u64, self.cfg.factor, self.cfg.key_len);
+        let (bt, f, kl) = (
+            self.work.block_tokens as u64,
+            self.cfg.factor,
+            self.cfg.key_len,
+        );
         while let Some(r) = self.work.requests.get(self.next_arrival) {
             if r.arrival_ms > now {
                 break;
@@ -414,7 +439,12 @@ impl<'w> Engine<'w> {
             let idx = self.live.len();
             let full = r.input_tokens / self.gbs;
             let hashes: Vec<u128> = (0..full)
-                .map(|i| prompt_hash(r.blocks[(i * self.gbs / bt) as usize], (i % f as u64) as u32))
+                .map(|i| {
+                    prompt_hash(
+                        r.blocks[(i * self.gbs / bt) as usize],
+                        (i % f as u64) as u32,
+                    )
+                })
                 .collect();
             self.keys.clear();
             for &h in &hashes {
@@ -471,7 +501,9 @@ impl<'w> Engine<'w> {
         let mut i = 0;
         while i < self.running.len() {
             let r = self.running[i];
-            let extra = self.blocks_needed(r).saturating_sub(self.live[r].blocks.len() as u32);
+            let extra = self
+                .blocks_needed(r)
+                .saturating_sub(self.live[r].blocks.len() as u32);
             let mut preempted_self = false;
             let mut got = Vec::new();
             while !self.gpu.allocate(extra, &mut got) {
@@ -519,7 +551,10 @@ impl<'w> Engine<'w> {
             let gbs = self.gbs;
             let (tokens, full) = (self.live[r].tokens, self.live[r].tokens / gbs);
             let cap = ((tokens - 1) / gbs) as usize;
-            let hits = self.gpu.lookup_prefix(&self.live[r].hashes[..full as usize]).min(cap);
+            let hits = self
+                .gpu
+                .lookup_prefix(&self.live[r].hashes[..full as usize])
+                .min(cap);
             let local = hits as u64 * gbs;
             let m = self.timed(Some(r), |s| s.match_request(r as u64, local));
             let host = match m.transpose().context("match_request")? {
@@ -539,7 +574,8 @@ impl<'w> Engine<'w> {
                 break;
             }
             let mut blocks = std::mem::take(&mut self.live[r].blocks);
-            self.gpu.take_cached(&self.live[r].hashes[..hits], &mut blocks);
+            self.gpu
+                .take_cached(&self.live[r].hashes[..hits], &mut blocks);
             let allocated = self.gpu.allocate(need, &mut blocks);
             debug_assert!(allocated);
             let job = self

@@ -77,7 +77,9 @@ fn run(plan: &Plan) -> Result<Report, Failure> {
     let sweep = if plan.sweep {
         let points = options::SWEEP_POINTS;
         let bar = progress_bar((points * (plan.policies.len() + 1)) as u64, "sweep");
-        let s = sweep::run(&work, &cfg, &plan.policies, points, &mut |n| bar.set_position(n))?;
+        let s = sweep::run(&work, &cfg, &plan.policies, points, &mut |n| {
+            bar.set_position(n)
+        })?;
         bar.finish_and_clear();
         if let Some(path) = &plan.plot {
             sweep::plot(&s, &format!("kvo-replay: {}", work.name), path)?;

@@ -223,7 +223,8 @@ impl Plan {
                     .max()
                     .unwrap_or(0);
                 let n = (DEFAULT_GPU_TOKENS / gbs).max(largest);
-                u32::try_from(n).map_err(|_| anyhow::anyhow!("--gpu-blocks: {n} needed, too many"))?
+                u32::try_from(n)
+                    .map_err(|_| anyhow::anyhow!("--gpu-blocks: {n} needed, too many"))?
             }
         };
         if gpu_blocks > 0 {
@@ -265,7 +266,10 @@ impl Plan {
             }
         };
         if n == 0 {
-            bail!("--host-gib: less than one block of {} tokens", work.block_tokens);
+            bail!(
+                "--host-gib: less than one block of {} tokens",
+                work.block_tokens
+            );
         }
         Ok(n)
     }

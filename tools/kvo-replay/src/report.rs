@@ -85,7 +85,10 @@ impl Report {
         let gpu = if s.gpu_blocks == 0 {
             "no GPU prefix cache".to_string()
         } else {
-            format!("GPU prefix cache of {} blocks", thousands(s.gpu_blocks as u64))
+            format!(
+                "GPU prefix cache of {} blocks",
+                thousands(s.gpu_blocks as u64)
+            )
         };
         let _ = writeln!(
             o,
@@ -99,39 +102,71 @@ impl Report {
             s.host_gib,
             thousands(s.kv_bytes_per_token),
             s.key_len,
-            if s.copy { ", copies executed (--copy)" } else { "" }
+            if s.copy {
+                ", copies executed (--copy)"
+            } else {
+                ""
+            }
         );
         let mut rows: Vec<(String, Vec<String>)> = Vec::new();
         let mut row = |label: &str, f: &dyn Fn(&RunStats) -> String| {
             rows.push((label.to_string(), self.runs.iter().map(f).collect()));
         };
-        let tier = |r: &RunStats, v: String| if r.policy == "none" { "-".to_string() } else { v };
+        let tier = |r: &RunStats, v: String| {
+            if r.policy == "none" {
+                "-".to_string()
+            } else {
+                v
+            }
+        };
         row("policy", &|r| r.policy.clone());
         row("steps", &|r| thousands(r.steps));
         row("admissions", &|r| thousands(r.admissions));
         row("prefill tokens", &|r| thousands(r.prefill_tokens));
-        row("  GPU prefix hits", &|r| share(r.gpu_hit_tokens, r.gpu_hit_pct));
-        row("  host-tier hits", &|r| tier(r, share(r.host_hit_tokens, r.host_hit_pct)));
+        row("  GPU prefix hits", &|r| {
+            share(r.gpu_hit_tokens, r.gpu_hit_pct)
+        });
+        row("  host-tier hits", &|r| {
+            tier(r, share(r.host_hit_tokens, r.host_hit_pct))
+        });
         row("  computed", &|r| thousands(r.computed_tokens));
         row("prefill saved vs none", &|r| {
             let sign = if r.prefill_saved_tokens < 0 { "-" } else { "" };
             let n = thousands(r.prefill_saved_tokens.unsigned_abs());
             tier(r, format!("{sign}{n} ({:.1} %)", r.prefill_saved_pct))
         });
-        row("deferred: jobs in flight", &|r| tier(r, thousands(r.deferrals.jobs_in_flight)));
-        row("deferred: store in flight", &|r| tier(r, thousands(r.deferrals.store_in_flight)));
-        row("deferred: being loaded", &|r| tier(r, thousands(r.deferrals.being_loaded)));
+        row("deferred: jobs in flight", &|r| {
+            tier(r, thousands(r.deferrals.jobs_in_flight))
+        });
+        row("deferred: store in flight", &|r| {
+            tier(r, thousands(r.deferrals.store_in_flight))
+        });
+        row("deferred: being loaded", &|r| {
+            tier(r, thousands(r.deferrals.being_loaded))
+        });
         row("preemptions", &|r| thousands(r.preemptions));
-        row("  with jobs in flight", &|r| tier(r, thousands(r.preemptions_with_jobs)));
+        row("  with jobs in flight", &|r| {
+            tier(r, thousands(r.preemptions_with_jobs))
+        });
         row("flushed jobs", &|r| tier(r, thousands(r.flushed_jobs)));
         row("host evictions", &|r| tier(r, thousands(r.evictions)));
         row("no-room answers", &|r| tier(r, thousands(r.no_room)));
         row("loads: jobs, blocks", &|r| {
-            tier(r, format!("{}, {}", thousands(r.load_jobs), thousands(r.loaded_blocks)))
+            tier(
+                r,
+                format!("{}, {}", thousands(r.load_jobs), thousands(r.loaded_blocks)),
+            )
         });
         row("loaded", &|r| tier(r, gib(r.loaded_bytes)));
         row("stores: jobs, blocks", &|r| {
-            tier(r, format!("{}, {}", thousands(r.store_jobs), thousands(r.stored_blocks)))
+            tier(
+                r,
+                format!(
+                    "{}, {}",
+                    thousands(r.store_jobs),
+                    thousands(r.stored_blocks)
+                ),
+            )
         });
         row("stored", &|r| tier(r, gib(r.stored_bytes)));
         if s.copy {
@@ -145,12 +180,26 @@ impl Report {
             });
         }
         row("library/step median, p99", &|r| {
-            tier(r, format!("{:.1}, {:.1} us", r.library_per_step.median_us, r.library_per_step.p99_us))
+            tier(
+                r,
+                format!(
+                    "{:.1}, {:.1} us",
+                    r.library_per_step.median_us, r.library_per_step.p99_us
+                ),
+            )
         });
         row("library/request median, p99", &|r| {
-            tier(r, format!("{:.1}, {:.1} us", r.library_per_request.median_us, r.library_per_request.p99_us))
+            tier(
+                r,
+                format!(
+                    "{:.1}, {:.1} us",
+                    r.library_per_request.median_us, r.library_per_request.p99_us
+                ),
+            )
         });
-        row("library time", &|r| tier(r, format!("{:.3} s", r.library_seconds)));
+        row("library time", &|r| {
+            tier(r, format!("{:.3} s", r.library_seconds))
+        });
         row("wall time", &|r| format!("{:.3} s", r.wall_seconds));
         let lw = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
         let cw = rows
@@ -199,7 +248,10 @@ fn sweep_text(sw: &Sweep) -> String {
             "{}: 90 % of that from {}",
             c.policy,
             c.capacity_for_90pct
-                .map_or("no swept capacity".into(), |n| format!("{} blocks", thousands(n)))
+                .map_or("no swept capacity".into(), |n| format!(
+                    "{} blocks",
+                    thousands(n)
+                ))
         );
     }
     if sw.min_below.is_empty() {

@@ -194,7 +194,9 @@ pub fn plot(s: &Sweep, title: &str, path: &Path) -> Result<()> {
             chart
                 .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(2)))?
                 .label(label)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2))
+                });
             chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, colour.filled())))?;
         }
         let grey = RGBColor(128, 128, 128);

@@ -127,7 +127,8 @@ mod tests {
         let t = "{\"timestamp\": 0, \"input_length\": 2, \"output_length\": 0, \"hash_ids\": [1]}\n{oops\n";
         let e = format!("{:#}", parse(t, 2, "t").unwrap_err());
         assert!(e.contains("t line 2"), "{e}");
-        let t = "{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 0, \"hash_ids\": [1]}\n";
+        let t =
+            "{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 0, \"hash_ids\": [1]}\n";
         let e = format!("{:#}", parse(t, 2, "t").unwrap_err());
         assert!(e.contains("t line 1: 1 hash_ids for input_length 5"), "{e}");
         let t = "{\"timestamp\": 0, \"output_length\": 0, \"hash_ids\": [1]}\n";
@@ -138,9 +139,11 @@ mod tests {
 
     #[test]
     fn written_traces_read_back() {
-        let t = "{\"timestamp\": 1, \"input_length\": 3, \"output_length\": 1, \"hash_ids\": [1, 2]}\n";
+        let t =
+            "{\"timestamp\": 1, \"input_length\": 3, \"output_length\": 1, \"hash_ids\": [1, 2]}\n";
         let w = parse(t, 2, "t").unwrap();
-        let path = std::env::temp_dir().join(format!("kvo-replay-trace-{}.jsonl", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("kvo-replay-trace-{}.jsonl", std::process::id()));
         write(&w, &path).unwrap();
         let back = read(&path, 2).unwrap();
         std::fs::remove_file(&path).unwrap();

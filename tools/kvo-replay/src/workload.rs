@@ -158,7 +158,8 @@ impl ChatParams {
             .collect();
         let popularity = Zipf::new(self.system_prompts as f64, self.system_prompt_zipf)
             .map_err(|e| anyhow::anyhow!("system prompt popularity: {e:?}"))?;
-        let think = Exp::new(1.0 / self.think_ms).map_err(|e| anyhow::anyhow!("think time: {e:?}"))?;
+        let think =
+            Exp::new(1.0 / self.think_ms).map_err(|e| anyhow::anyhow!("think time: {e:?}"))?;
         let p_more = 1.0 - 1.0 / self.mean_turns;
         let mut requests = Vec::new();
         for c in 0..self.conversations {
@@ -190,7 +191,10 @@ impl ChatParams {
                 .random_bool(0.5)
                 .then(|| popularity.sample(&mut rng) as usize - 1);
             let (input, blocks) = match sys {
-                Some(p) => (system[p] + body, ids.prompt(Some((p, system[p])), private, system[p] + body)),
+                Some(p) => (
+                    system[p] + body,
+                    ids.prompt(Some((p, system[p])), private, system[p] + body),
+                ),
                 None => (body, ids.prompt(None, private, body)),
             };
             requests.push(Request {
@@ -218,28 +222,48 @@ mod tests {
         let p = ChatParams::default();
         let a = p.generate().unwrap();
         assert_eq!(a, p.generate().unwrap(), "same seed, same workload");
-        let b = ChatParams { seed: 2, ..p.clone() }.generate().unwrap();
+        let b = ChatParams {
+            seed: 2,
+            ..p.clone()
+        }
+        .generate()
+        .unwrap();
         assert_ne!(a.requests, b.requests);
         let bt = p.block_tokens as u64;
         for r in &a.requests {
             assert_eq!(r.blocks.len() as u64, r.input_tokens.div_ceil(bt));
             assert!(r.output_tokens >= 1 && r.output_tokens <= p.max_output_tokens);
         }
-        assert!(a.requests.windows(2).all(|w| w[0].arrival_ms <= w[1].arrival_ms));
+        assert!(
+            a.requests
+                .windows(2)
+                .all(|w| w[0].arrival_ms <= w[1].arrival_ms)
+        );
         // Turns extend their history: some request's blocks are a proper prefix of a later one's.
         let n = a.requests.len();
-        assert!(n > p.conversations + p.one_offs, "multi-turn conversations: {n}");
+        assert!(
+            n > p.conversations + p.one_offs,
+            "multi-turn conversations: {n}"
+        );
         let full = |r: &Request| r.blocks[..(r.input_tokens / bt) as usize].to_vec();
         let extended = (0..n).any(|i| {
             let f = full(&a.requests[i]);
-            f.len() > 4 && a.requests[i + 1..].iter().any(|r| r.blocks.len() > f.len() && r.blocks.starts_with(&f))
+            f.len() > 4
+                && a.requests[i + 1..]
+                    .iter()
+                    .any(|r| r.blocks.len() > f.len() && r.blocks.starts_with(&f))
         });
         assert!(extended);
         // Shared system prompts: block id 0 (the first system prompt's first block) is reused widely.
-        let shared = a.requests.iter().filter(|r| r.blocks[0] == a.requests[0].blocks[0]).count();
+        let shared = a
+            .requests
+            .iter()
+            .filter(|r| r.blocks[0] == a.requests[0].blocks[0])
+            .count();
         assert!(shared > 10, "{shared}");
         // One-offs: many requests share not even their first block.
-        let firsts: std::collections::HashSet<u64> = a.requests.iter().map(|r| r.blocks[0]).collect();
+        let firsts: std::collections::HashSet<u64> =
+            a.requests.iter().map(|r| r.blocks[0]).collect();
         assert!(firsts.len() > p.one_offs / 4, "{}", firsts.len());
     }
 }

@@ -15,7 +15,12 @@ fn untimed(report: &Value) -> Vec<Value> {
         .iter()
         .map(|r| {
             let mut r = r.clone();
-            for k in ["library_per_step", "library_per_request", "library_seconds", "wall_seconds"] {
+            for k in [
+                "library_per_step",
+                "library_per_request",
+                "library_seconds",
+                "wall_seconds",
+            ] {
                 r.as_object_mut().unwrap().remove(k);
             }
             r
@@ -40,18 +45,39 @@ fn seeded_runs_are_deterministic_and_json_carries_the_text_figures() {
     let args = ["--seed", "3", "--policy", "all"];
     let a = kvo_json(&args);
     let b = kvo_json(&args);
-    assert_eq!(untimed(&a), untimed(&b), "the same seed gives the same figures");
+    assert_eq!(
+        untimed(&a),
+        untimed(&b),
+        "the same seed gives the same figures"
+    );
     let runs = a["runs"].as_array().unwrap();
-    assert_eq!(runs.iter().map(|r| r["policy"].as_str().unwrap()).collect::<Vec<_>>(), ["none", "lru", "arc"]);
+    assert_eq!(
+        runs.iter()
+            .map(|r| r["policy"].as_str().unwrap())
+            .collect::<Vec<_>>(),
+        ["none", "lru", "arc"]
+    );
     let other = kvo_json(&["--seed", "4", "--policy", "lru"]);
-    assert_ne!(other["workload"]["prompt_tokens"], a["workload"]["prompt_tokens"]);
+    assert_ne!(
+        other["workload"]["prompt_tokens"],
+        a["workload"]["prompt_tokens"]
+    );
 
     let out = kvo(&args);
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
     let w = &a["workload"];
-    for k in ["requests", "prompt_tokens", "output_tokens", "full_blocks", "distinct_full_blocks"] {
-        assert!(text.contains(&thousands(w[k].as_u64().unwrap())), "workload {k} in\n{text}");
+    for k in [
+        "requests",
+        "prompt_tokens",
+        "output_tokens",
+        "full_blocks",
+        "distinct_full_blocks",
+    ] {
+        assert!(
+            text.contains(&thousands(w[k].as_u64().unwrap())),
+            "workload {k} in\n{text}"
+        );
     }
     // Every row of the table against its JSON field, column by column.
     let rows: Vec<(&str, &str)> = vec![
@@ -78,17 +104,39 @@ fn seeded_runs_are_deterministic_and_json_carries_the_text_figures() {
             .lines()
             .find(|l| l.starts_with(label) && l[label.len()..].starts_with("  "))
             .unwrap_or_else(|| panic!("no row {label:?} in\n{text}"));
-        let cells: Vec<&str> = line[label.len()..].split("  ").map(str::trim).filter(|c| !c.is_empty()).collect();
+        let cells: Vec<&str> = line[label.len()..]
+            .split("  ")
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .collect();
         assert_eq!(cells.len(), 3, "{line}");
         for (run, cell) in runs.iter().zip(&cells) {
             let v = field.split('.').fold(run, |v, k| &v[k]);
-            if run["policy"] == "none" && !["steps", "admissions", "prefill_tokens", "gpu_hit_tokens", "computed_tokens", "preemptions"].contains(&field) {
+            if run["policy"] == "none"
+                && ![
+                    "steps",
+                    "admissions",
+                    "prefill_tokens",
+                    "gpu_hit_tokens",
+                    "computed_tokens",
+                    "preemptions",
+                ]
+                .contains(&field)
+            {
                 assert_eq!(*cell, "-", "{label}");
                 continue;
             }
             let n = v.as_i64().unwrap_or_else(|| panic!("{field}: {v}"));
-            let want = if n < 0 { format!("-{}", thousands(n.unsigned_abs())) } else { thousands(n as u64) };
-            assert!(cell.starts_with(&want), "{label} of {}: {cell:?} vs {want}", run["policy"]);
+            let want = if n < 0 {
+                format!("-{}", thousands(n.unsigned_abs()))
+            } else {
+                thousands(n as u64)
+            };
+            assert!(
+                cell.starts_with(&want),
+                "{label} of {}: {cell:?} vs {want}",
+                run["policy"]
+            );
         }
     }
     // The tier saves prefill: loads from the host replace computation.
@@ -103,7 +151,14 @@ fn seeded_runs_are_deterministic_and_json_carries_the_text_figures() {
 
 #[test]
 fn a_small_gpu_cache_preempts_defers_and_flushes() {
-    let r = kvo_json(&["--gpu-blocks", "80", "--transfer-delay-steps", "4", "--check-every", "25"]);
+    let r = kvo_json(&[
+        "--gpu-blocks",
+        "80",
+        "--transfer-delay-steps",
+        "4",
+        "--check-every",
+        "25",
+    ]);
     for run in r["runs"].as_array().unwrap() {
         assert!(run["preemptions"].as_u64().unwrap() > 0, "{run}");
         if run["policy"] == "none" {
@@ -123,8 +178,15 @@ fn a_small_gpu_cache_preempts_defers_and_flushes() {
 #[test]
 fn copies_move_the_planned_bytes_and_loaded_blocks_hold_their_kv() {
     let r = kvo_json(&[
-        "--copy", "--kv-bytes-per-token", "8", "--gpu-blocks", "80", "--host-blocks", "512",
-        "--transfer-delay-steps", "2",
+        "--copy",
+        "--kv-bytes-per-token",
+        "8",
+        "--gpu-blocks",
+        "80",
+        "--host-blocks",
+        "512",
+        "--transfer-delay-steps",
+        "2",
     ]);
     assert_eq!(r["settings"]["copy"], true);
     for run in &r["runs"].as_array().unwrap()[1..] {
@@ -134,8 +196,13 @@ fn copies_move_the_planned_bytes_and_loaded_blocks_hold_their_kv() {
         assert_eq!(stores["bytes"], run["stored_bytes"], "{run}");
         assert_eq!(loads["jobs"], run["load_jobs"]);
         assert_eq!(stores["jobs"], run["store_jobs"]);
-        assert_eq!(run["copy_verified_blocks"], run["loaded_blocks"], "every loaded block checked");
-        assert!(loads["gb_per_s"].as_f64().unwrap() > 0.0 && stores["gb_per_s"].as_f64().unwrap() > 0.0);
+        assert_eq!(
+            run["copy_verified_blocks"], run["loaded_blocks"],
+            "every loaded block checked"
+        );
+        assert!(
+            loads["gb_per_s"].as_f64().unwrap() > 0.0 && stores["gb_per_s"].as_f64().unwrap() > 0.0
+        );
     }
 }
 
@@ -143,24 +210,40 @@ fn copies_move_the_planned_bytes_and_loaded_blocks_hold_their_kv() {
 fn the_sweep_matches_the_models_and_plots() {
     let (svg, trace) = (temp("sweep.svg"), temp("embedded.jsonl"));
     let r = kvo_json(&[
-        "--policy", "all", "--sweep", "--plot", svg.to_str().unwrap(), "--write-trace",
+        "--policy",
+        "all",
+        "--sweep",
+        "--plot",
+        svg.to_str().unwrap(),
+        "--write-trace",
         trace.to_str().unwrap(),
     ]);
     let reqs = read_trace(&trace);
-    assert_eq!(reqs.len() as u64, r["workload"]["requests"].as_u64().unwrap());
+    assert_eq!(
+        reqs.len() as u64,
+        r["workload"]["requests"].as_u64().unwrap()
+    );
     check_sweep(&r, &reqs, 512);
     // MIN against LRU and ARC: at or above them at most capacities; the report lists the others.
     let (lru, arc, min) = (curve(&r, "lru"), curve(&r, "arc"), curve(&r, "min"));
     let below: Vec<usize> = (0..min.len())
-        .filter(|&i| min[i].as_f64().unwrap() < lru[i].as_f64().unwrap().max(arc[i].as_f64().unwrap()))
+        .filter(|&i| {
+            min[i].as_f64().unwrap() < lru[i].as_f64().unwrap().max(arc[i].as_f64().unwrap())
+        })
         .collect();
     eprintln!("capacities where MIN is below LRU or ARC: {below:?}");
     assert!(below.len() * 4 <= min.len(), "MIN below at {below:?}");
-    assert_eq!(r["sweep"]["min_below"].as_array().unwrap().is_empty(), below.is_empty());
+    assert_eq!(
+        r["sweep"]["min_below"].as_array().unwrap().is_empty(),
+        below.is_empty()
+    );
     let text = std::fs::read_to_string(&svg).unwrap();
     let doc = roxmltree::Document::parse(&text).expect("the plot is well-formed XML");
     assert_eq!(doc.root_element().tag_name().name(), "svg");
-    let lines = doc.descendants().filter(|n| n.has_tag_name("polyline") || n.has_tag_name("path")).count();
+    let lines = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("polyline") || n.has_tag_name("path"))
+        .count();
     assert!(lines >= 4, "{lines} lines");
     let labels: String = doc.descendants().filter_map(|n| n.text()).collect();
     for want in ["LRU", "ARC", "MIN", "host capacity"] {

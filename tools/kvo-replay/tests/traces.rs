@@ -10,14 +10,30 @@ use common::*;
 use std::path::PathBuf;
 
 fn trace(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/traces").join(name);
-    assert!(p.exists(), "{} is missing (the traces are not part of the repository)", p.display());
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/traces")
+        .join(name);
+    assert!(
+        p.exists(),
+        "{} is missing (the traces are not part of the repository)",
+        p.display()
+    );
     p
 }
 
 fn check(name: &str) {
     let path = trace(name);
-    let r = kvo_json(&["--trace", path.to_str().unwrap(), "--policy", "all", "--sweep", "--gpu-blocks", "0", "--max-batch", "1024"]);
+    let r = kvo_json(&[
+        "--trace",
+        path.to_str().unwrap(),
+        "--policy",
+        "all",
+        "--sweep",
+        "--gpu-blocks",
+        "0",
+        "--max-batch",
+        "1024",
+    ]);
     check_sweep(&r, &read_trace(&path), 512);
     eprintln!("{name}: {}", r["sweep"]);
 }

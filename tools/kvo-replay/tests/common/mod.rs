@@ -52,8 +52,19 @@ pub fn read_trace(path: &Path) -> Vec<Req> {
         .filter(|l| !l.trim().is_empty())
         .map(|l| {
             let v: Value = serde_json::from_str(l).unwrap();
-            let blocks = v["hash_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
-            (v["timestamp"].as_u64().unwrap(), Req { input: v["input_length"].as_u64().unwrap(), blocks })
+            let blocks = v["hash_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .collect();
+            (
+                v["timestamp"].as_u64().unwrap(),
+                Req {
+                    input: v["input_length"].as_u64().unwrap(),
+                    blocks,
+                },
+            )
         })
         .collect();
     reqs.sort_by_key(|r| r.0);
@@ -74,7 +85,11 @@ pub fn unlimited_hits(reqs: &[Req], bt: u64) -> u64 {
     let mut total = 0;
     for r in reqs {
         let f = full(r, bt);
-        total += hit_tokens(f.iter().take_while(|b| seen.contains(*b)).count(), bt, r.input);
+        total += hit_tokens(
+            f.iter().take_while(|b| seen.contains(*b)).count(),
+            bt,
+            r.input,
+        );
         seen.extend(f.iter().copied());
     }
     total
@@ -159,7 +174,13 @@ impl Lru {
     }
     /// The `n` least recently used blocks not in `except`, or None if there are fewer.
     fn oldest_except(&self, n: usize, except: &[u64]) -> Option<Vec<u64>> {
-        let v: Vec<u64> = self.by_stamp.values().filter(|k| !except.contains(k)).take(n).copied().collect();
+        let v: Vec<u64> = self
+            .by_stamp
+            .values()
+            .filter(|k| !except.contains(k))
+            .take(n)
+            .copied()
+            .collect();
         (v.len() == n).then_some(v)
     }
     fn remove(&mut self, b: u64) {
@@ -192,17 +213,32 @@ pub fn curve<'a>(report: &'a Value, policy: &str) -> &'a Vec<Value> {
 pub fn check_sweep(report: &Value, reqs: &[Req], bt: u64) {
     let prompt = prompt_tokens(reqs) as f64;
     let pct = |t: u64| 100.0 * t as f64 / prompt;
-    let caps: Vec<u64> = report["sweep"]["capacities"].as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).collect();
+    let caps: Vec<u64> = report["sweep"]["capacities"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_u64().unwrap())
+        .collect();
     let unlimited = pct(unlimited_hits(reqs, bt));
     let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
-    assert!(close(report["sweep"]["unlimited_hit_pct"].as_f64().unwrap(), unlimited));
+    assert!(close(
+        report["sweep"]["unlimited_hit_pct"].as_f64().unwrap(),
+        unlimited
+    ));
     let lru = curve(report, "lru");
     for (i, &c) in caps.iter().enumerate() {
         let model = pct(lru_hits(reqs, bt, c as usize));
-        assert!(close(lru[i].as_f64().unwrap(), model), "LRU at {c} blocks: {} vs the model's {model}", lru[i]);
+        assert!(
+            close(lru[i].as_f64().unwrap(), model),
+            "LRU at {c} blocks: {} vs the model's {model}",
+            lru[i]
+        );
     }
     for p in ["lru", "arc", "min"] {
         let last = curve(report, p).last().unwrap().as_f64().unwrap();
-        assert!(close(last, unlimited), "{p} at every block: {last} vs {unlimited}");
+        assert!(
+            close(last, unlimited),
+            "{p} at every block: {last} vs {unlimited}"
+        );
     }
 }
