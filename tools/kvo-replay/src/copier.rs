@@ -80,7 +80,7 @@ impl Copier {
     /// slots of `factor` blocks.
     pub fn new(num_blocks: u32, page: u64, num_slots: u32, factor: u32) -> Result<Self> {
         let page_usize = usize::try_from(page).context("--kv-bytes-per-token: block too large")?;
-        if page % 8 != 0 {
+        if !page.is_multiple_of(8) {
             bail!(
                 "--copy: a block of {page} bytes is not a multiple of 8 (set --kv-bytes-per-token)"
             );

@@ -273,7 +273,7 @@ pub fn run(
 impl<'w> Engine<'w> {
     fn new(work: &'w Workload, cfg: &EngineConfig, tier: Option<Tier>, copy: bool) -> Result<Self> {
         let bt = work.block_tokens;
-        if cfg.factor == 0 || bt % cfg.factor != 0 {
+        if cfg.factor == 0 || !bt.is_multiple_of(cfg.factor) {
             bail!(
                 "--factor: {} does not divide the {bt}-token block",
                 cfg.factor
@@ -395,7 +395,7 @@ impl<'w> Engine<'w> {
             );
             self.step()?;
             self.step_times.push(self.step_lib.as_secs_f64());
-            if self.cfg.check_every > 0 && self.stats.steps % self.cfg.check_every == 0 {
+            if self.cfg.check_every > 0 && self.stats.steps.is_multiple_of(self.cfg.check_every) {
                 self.check()?;
             }
             progress(self.finished as u64);
@@ -527,10 +527,10 @@ impl<'w> Engine<'w> {
 
     fn preempt(&mut self, v: usize) -> Result<()> {
         self.stats.preemptions += 1;
-        if let Some(res) = self.timed(Some(v), |s| s.has_jobs_in_flight(v as u64)) {
-            if res? {
-                self.stats.preemptions_with_jobs += 1;
-            }
+        if let Some(res) = self.timed(Some(v), |s| s.has_jobs_in_flight(v as u64))
+            && res?
+        {
+            self.stats.preemptions_with_jobs += 1;
         }
         let l = &mut self.live[v];
         self.gpu.free(&l.blocks);
@@ -762,13 +762,13 @@ impl<'w> Engine<'w> {
             };
             for b in q.first_block..q.first_block + q.num_blocks {
                 let (block, hash) = (self.live[r].blocks[b], self.live[r].hashes[b]);
-                if let Some(c) = &mut self.copier {
-                    if !c.check(block, hash) {
-                        bail!(
-                            "--copy: block {b} of request {r} (GPU block {block}) does not hold its KV after load job {}",
-                            q.id
-                        );
-                    }
+                if let Some(c) = &mut self.copier
+                    && !c.check(block, hash)
+                {
+                    bail!(
+                        "--copy: block {b} of request {r} (GPU block {block}) does not hold its KV after load job {}",
+                        q.id
+                    );
                 }
                 self.gpu.register(block, hash);
             }

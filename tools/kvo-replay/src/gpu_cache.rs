@@ -148,11 +148,12 @@ impl GpuCache {
 
     /// Caches block `b`, now holding the KV of `hash`, unless another block already holds it.
     pub fn register(&mut self, b: u32, hash: u128) {
-        if self.limited() && self.hash[b as usize].is_none() {
-            if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
-                e.insert(b);
-                self.hash[b as usize] = Some(hash);
-            }
+        if self.limited()
+            && self.hash[b as usize].is_none()
+            && let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash)
+        {
+            e.insert(b);
+            self.hash[b as usize] = Some(hash);
         }
     }
 

@@ -129,7 +129,7 @@ impl Options {
         if self.block_tokens == 0 {
             bail!("--block-tokens: 0");
         }
-        if self.factor == 0 || self.block_tokens % self.factor != 0 {
+        if self.factor == 0 || !self.block_tokens.is_multiple_of(self.factor) {
             bail!(
                 "--factor: {} does not divide the {}-token block",
                 self.factor,
@@ -145,10 +145,10 @@ impl Options {
         if self.host_blocks == Some(0) {
             bail!("--host-blocks: 0 (the host tier needs room)");
         }
-        if let Some(g) = self.host_gib {
-            if !(g > 0.0 && g.is_finite()) {
-                bail!("--host-gib: {g} (the host tier needs room)");
-            }
+        if let Some(g) = self.host_gib
+            && !(g > 0.0 && g.is_finite())
+        {
+            bail!("--host-gib: {g} (the host tier needs room)");
         }
         if self.max_batch == 0 {
             bail!("--max-batch: 0");
@@ -159,10 +159,10 @@ impl Options {
         if self.copy && self.gpu_blocks == Some(0) {
             bail!("--copy needs a GPU cache of some size (--gpu-blocks > 0)");
         }
-        if let Some(p) = &self.plot {
-            if p.extension().is_none_or(|e| e != "svg") {
-                bail!("--plot: {} is not an .svg file", p.display());
-            }
+        if let Some(p) = &self.plot
+            && p.extension().is_none_or(|e| e != "svg")
+        {
+            bail!("--plot: {} is not an .svg file", p.display());
         }
         let policies = match self.policy {
             PolicyArg::Lru => vec![Policy::Lru],

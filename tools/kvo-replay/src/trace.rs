@@ -106,6 +106,24 @@ pub fn parse(text: &str, block_tokens: u32, name: &str) -> Result<Workload> {
     })
 }
 
+/// Writes `w` as a trace (the same format [`read`] reads).
+pub fn write(w: &Workload, path: &Path) -> Result<()> {
+    let mut out = std::io::BufWriter::new(
+        std::fs::File::create(path).with_context(|| format!("{}", path.display()))?,
+    );
+    for r in &w.requests {
+        let line = Line {
+            timestamp: r.arrival_ms,
+            input_length: r.input_tokens,
+            output_length: r.output_tokens,
+            hash_ids: r.blocks.clone(),
+        };
+        serde_json::to_writer(&mut out, &line)?;
+        out.write_all(b"\n")?;
+    }
+    out.flush().with_context(|| format!("{}", path.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,22 +167,4 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert_eq!(back.requests, w.requests);
     }
-}
-
-/// Writes `w` as a trace (the same format [`read`] reads).
-pub fn write(w: &Workload, path: &Path) -> Result<()> {
-    let mut out = std::io::BufWriter::new(
-        std::fs::File::create(path).with_context(|| format!("{}", path.display()))?,
-    );
-    for r in &w.requests {
-        let line = Line {
-            timestamp: r.arrival_ms,
-            input_length: r.input_tokens,
-            output_length: r.output_tokens,
-            hash_ids: r.blocks.clone(),
-        };
-        serde_json::to_writer(&mut out, &line)?;
-        out.write_all(b"\n")?;
-    }
-    out.flush().with_context(|| format!("{}", path.display()))
 }
