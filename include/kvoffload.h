@@ -22,6 +22,14 @@
  * of n_keys * key_len bytes. Output buffers must not overlap each other or the inputs. The library
  * keeps no pointer to caller memory past a call, except the memory registered with a worker (KV
  * tensors, caller host buffers), which must stay valid until kvo_worker_free.
+ *
+ * GPU block reuse: the host may give a request's GPU blocks to another request as soon as it
+ * finishes, aborts, preempts or re-matches it, even while a job of the request still reads them
+ * (a store) or writes them (a load). The library fences such blocks: the next step plan that
+ * allocates one of them carries those jobs in its flush set, and kvo_worker_submit_step waits
+ * for the flush set before it queues the step's copies (a host that copies by other means waits
+ * for kvo_step_get_flush's ids before the step's forward pass). A load that was not yet in a
+ * step is withdrawn instead: it never ships. No call evicts a key it names.
  */
 #if defined(__GNUC__) || defined(__clang__)
 #define KVO_NODISCARD __attribute__((warn_unused_result))
@@ -115,6 +123,10 @@ enum kvo_status
    * A wait ran out of time before the jobs finished.
    */
   KVO_STATUS_TIMEOUT = 13,
+  /**
+   * Memory for the requested sizes could not be had (nothing was changed).
+   */
+  KVO_STATUS_OUT_OF_MEMORY = 14,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -241,7 +253,8 @@ typedef uint32_t kvo_defer_reason;
 #endif // __cplusplus
 
 /**
- * Directions of a job (`kvo_job_info.kind`).
+ * Direction of a job: `kvo_job_kind` in C (`kvo_job_info.kind`, `kvo_worker_submit_job`), the
+ * job kind of the wire format.
  */
 enum kvo_job_kind
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -651,7 +664,7 @@ typedef struct kvo_job_info {
    */
   uint32_t kind;
   /**
-   * GPU blocks copied.
+   * GPU blocks the job copies (`block_size_factor` of them fill one host slot).
    */
   uint32_t group_size;
   /**
@@ -816,7 +829,8 @@ KVO_NODISCARD kvo_status kvo_manager_config_default(struct kvo_manager_config *o
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `cfg` or `out` is NULL;
  * `KVO_STATUS_INVALID_ARGUMENT` for a `struct_size` too small, `key_len` outside 1..=64, an
- * unknown policy, `num_slots` too large, or `max_tracker_size` 0 with a store threshold.
+ * unknown policy, `num_slots` too large, or `max_tracker_size` 0 with a store threshold;
+ * `KVO_STATUS_OUT_OF_MEMORY` if the tier's index for `num_slots` cannot be allocated.
  *
  * # Safety
  * `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
@@ -919,7 +933,7 @@ kvo_status kvo_manager_complete_load(struct kvo_manager *m,
  *
  * Keys below the store threshold and keys already stored (ready or in flight) are skipped; a key
  * listed twice is stored once. If free slots do not suffice, ready unpinned keys are evicted by
- * the policy, never a key named in this call. Writes `*out_n_store` entries to `out_indices`
+ * the policy, never a key named in this call (not even one the store threshold skips). Writes `*out_n_store` entries to `out_indices`
  * (indices into `keys`, input order) and `out_slots`, and `*out_n_evicted` keys to
  * `out_evicted_keys` (back to back, eviction order). Each output holds `out_cap` entries
  * (`out_evicted_keys`: `out_cap * key_len` bytes); `out_cap >= n_keys` always suffices.
@@ -1054,7 +1068,8 @@ KVO_NODISCARD kvo_status kvo_scheduler_config_default(struct kvo_scheduler_confi
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for a
  * `struct_size` too small, `key_len` outside 1..=64, a zero `gpu_block_size`,
- * `block_size_factor` or `num_workers`, an unknown policy, or a bad tier setting.
+ * `block_size_factor` or `num_workers`, an unknown policy, or a bad tier setting;
+ * `KVO_STATUS_OUT_OF_MEMORY` if the tier's index for `num_slots` cannot be allocated.
  *
  * # Safety
  * `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
@@ -1150,13 +1165,16 @@ kvo_status kvo_scheduler_on_alloc(struct kvo_scheduler *s,
 
 /**
  * Builds this step's plan into `step`: the load jobs made since the last step, the store jobs of
- * the scheduled requests' newly complete chunks, and the flush set (jobs of `preempted`
- * requests, stores of finished requests whose GPU blocks were allocated again, jobs of a reset).
+ * the scheduled requests' newly complete chunks, and the flush set: the jobs of `preempted`
+ * requests, the in-flight jobs of requests that gave their GPU blocks back (finished, aborted,
+ * re-matched, resumed on other blocks) touching a block allocated since the last step, and the
+ * jobs of a reset. A preempted request's load not yet in a step is withdrawn (it never ships).
  * Call it once per engine step, after admissions (`kvo_scheduler_on_alloc`).
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
- * request; `KVO_STATUS_INVALID_STATE` for a finished one; `KVO_STATUS_INVALID_ARGUMENT` for a
- * request scheduled twice, a token count overflow, or block ids that do not cover its tokens.
+ * request; `KVO_STATUS_INVALID_STATE` for a finished one or one whose load is in flight;
+ * `KVO_STATUS_INVALID_ARGUMENT` for a request scheduled twice or both scheduled and preempted,
+ * a token count overflow, or block ids that do not cover its tokens.
  * On failure nothing changes and `step` is not written.
  *
  * # Safety
@@ -1178,8 +1196,10 @@ kvo_status kvo_scheduler_build_step(struct kvo_scheduler *s,
  * must recompute). Reports of jobs from before a reset are ignored.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for a job id not in
- * flight; `KVO_STATUS_INVALID_ARGUMENT` for a zero count or more reports than workers. On failure
- * no report is applied.
+ * flight (a withdrawn load included); `KVO_STATUS_INVALID_STATE` for a load made by
+ * `kvo_scheduler_on_alloc` but not yet in a step; `KVO_STATUS_INVALID_ARGUMENT` for a zero count
+ * or more reports than workers (stale job ids from before a reset included). On failure no
+ * report is applied.
  *
  * # Safety
  * `s` is NULL or live; `reports` NULL or `n_reports` readable entries.
@@ -1190,9 +1210,11 @@ kvo_status kvo_scheduler_complete_jobs(struct kvo_scheduler *s,
                                        size_t n_reports);
 
 /**
- * Finishes or aborts a request. Without jobs in flight its state is dropped now; otherwise after
- * its last job completes, and meanwhile its stores' GPU blocks are fenced (reallocating one makes
- * the next step flush them). An aborted request's load releases its pins when it completes.
+ * Finishes or aborts a request; the host may reuse its GPU blocks at once. Its load not yet in a
+ * step is withdrawn (never ships, its pins are released now). Without other jobs in flight its
+ * state is dropped now; otherwise after its last job completes, and meanwhile the GPU blocks
+ * those jobs touch (stores read them, loads write them) are fenced: the next step that
+ * allocates one of them carries those jobs in its flush set.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
  * request; `KVO_STATUS_INVALID_STATE` if it was already finished.
@@ -1400,7 +1422,8 @@ KVO_NODISCARD kvo_status kvo_worker_config_default(struct kvo_worker_config *out
  * config (struct_size, zero factor or slots, unknown backend), an empty, overlapping, misaligned
  * or zero-sized registration, device tensors with the host backend, or a host buffer too small;
  * `KVO_STATUS_CUDA_UNAVAILABLE` / `KVO_STATUS_CUDA_ERROR` for the CUDA backend without a
- * usable driver or device; `KVO_STATUS_IO_ERROR` if memory or threads cannot be had.
+ * usable driver or device; `KVO_STATUS_OUT_OF_MEMORY` if the host tier cannot be allocated;
+ * `KVO_STATUS_IO_ERROR` if page-locking or threads cannot be had.
  *
  * # Safety
  * `cfg` NULL or `cfg->struct_size` readable bytes; `tensors` NULL or `n_tensors` entries;

@@ -5,7 +5,7 @@
 //! shows up as a mismatch.
 
 use anyhow::{Context, Result, bail};
-use kvoffload::scheduler::{JobKind, Step};
+use kvoffload::plan::{Direction, Step};
 use kvoffload::transfer::{Completion, KvTensor, Worker, WorkerConfig};
 use serde::Serialize;
 use std::alloc::Layout;
@@ -189,7 +189,7 @@ impl Copier {
 
     /// Waits for job `id` and returns whether it succeeded (a failed job is an error: nothing
     /// in the simulation makes one fail).
-    pub fn complete(&mut self, id: u64, kind: JobKind) -> Result<()> {
+    pub fn complete(&mut self, id: u64, kind: Direction) -> Result<()> {
         if !self.done.contains_key(&id) {
             self.flush(&[id])?;
             self.poll()?;
@@ -202,8 +202,8 @@ impl Copier {
             bail!("--copy: job {id} failed: {}", c.error.unwrap_or_default());
         }
         match kind {
-            JobKind::Load => self.loads.add(&c),
-            JobKind::Store => self.stores.add(&c),
+            Direction::Load => self.loads.add(&c),
+            Direction::Store => self.stores.add(&c),
         }
         Ok(())
     }

@@ -31,9 +31,8 @@ use crate::gpu_cache::GpuCache;
 use crate::trace::Workload;
 use anyhow::{Context, Result, bail};
 use kvoffload::manager::Policy;
-use kvoffload::scheduler::{
-    JobKind, JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig, Step,
-};
+use kvoffload::plan::{Direction, Step};
+use kvoffload::scheduler::{JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig};
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -198,7 +197,7 @@ struct Live {
 struct InFlight {
     due: u64,
     id: u64,
-    kind: JobKind,
+    kind: Direction,
     request: usize,
     first_block: usize,
     num_blocks: usize,
@@ -637,15 +636,15 @@ impl<'w> Engine<'w> {
         }
         let (gbs, kv) = (self.gbs, self.cfg.kv_bytes_per_token);
         for j in self.plan.jobs() {
-            let (n, first) = (j.group_size as u64, j.block_index as usize);
+            let (n, first) = (j.num_gpu_blocks as u64, j.block_index as usize);
             let bytes = n * gbs * kv;
             match j.kind {
-                JobKind::Load => {
+                Direction::Load => {
                     self.stats.load_jobs += 1;
                     self.stats.loaded_blocks += n;
                     self.stats.loaded_bytes += bytes;
                 }
-                JobKind::Store => {
+                Direction::Store => {
                     self.stats.store_jobs += 1;
                     self.stats.stored_blocks += n;
                     self.stats.stored_bytes += bytes;
@@ -755,7 +754,7 @@ impl<'w> Engine<'w> {
         let res = self.sched.as_mut().map(|s| s.complete_jobs(&reports));
         self.step_lib += t.elapsed();
         res.transpose().context("complete_jobs")?;
-        for q in due.iter().filter(|q| q.kind == JobKind::Load) {
+        for q in due.iter().filter(|q| q.kind == Direction::Load) {
             let r = q.request;
             let State::Loading { target } = self.live[r].state else {
                 bail!("load job {} of request {r}, which is not loading", q.id);
