@@ -429,6 +429,52 @@ fn readme_cmake_snippet_is_the_examples_project() {
     );
 }
 
+/// The value of the `key: value` line `key` of a replay example's output, as a number (the
+/// first word after the colon).
+fn replay_figure(out: &str, key: &str) -> u64 {
+    out.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(": "))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no `{key}: N` line in\n{out}"))
+}
+
+/// `examples/replay.c` and `examples/replay.py` drive the same replay through the C ABI (the C
+/// program against the header, the script through the in-tree Python package, both on the
+/// library this test built) and print the same headline lines: the workload hits the host tier,
+/// defers, loads the right KV, and ends with the invariants intact and nothing in flight.
+#[test]
+fn replay_examples_in_c_and_python_print_the_same_figures() {
+    let c = build_and_run("examples/replay.c");
+    let lib = lib_dir().join(format!(
+        "{}kvoffload{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    let py = Command::new("python3")
+        .arg(format!("{CRATE_DIR}/examples/replay.py"))
+        .current_dir(CRATE_DIR)
+        .env("PYTHONPATH", format!("{CRATE_DIR}/python"))
+        .env("KVOFFLOAD_LIB", &lib)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run python3 (required for this test): {e}"));
+    assert!(
+        py.status.success(),
+        "{}",
+        describe("python3 examples/replay.py failed", &py)
+    );
+    let py = String::from_utf8_lossy(&py.stdout).into_owned();
+    assert_eq!(c, py, "replay.c and replay.py print different figures");
+    assert_eq!(replay_figure(&c, "requests"), 200, "{c}");
+    let hit = replay_figure(&c, "host hit tokens");
+    assert!(hit > 0 && hit < replay_figure(&c, "prompt tokens"), "{c}");
+    assert_eq!(replay_figure(&c, "loaded blocks checked") * 16, hit, "{c}");
+    assert!(replay_figure(&c, "load jobs") > 0, "{c}");
+    assert!(replay_figure(&c, "store jobs") > 0, "{c}");
+    assert!(replay_figure(&c, "deferrals") > 0, "{c}");
+    assert!(c.lines().any(|l| l == "invariants: ok"), "{c}");
+}
+
 /// The library exports exactly the functions the header declares (all `kvo_*`), nothing else.
 #[test]
 fn exported_symbols_match_the_header() {
