@@ -176,12 +176,13 @@ class Manager(_Handle):
     def __init__(
         self,
         num_slots,
-        key_len=32,
+        key_len=None,
         policy="lru",
-        store_threshold=0,
-        max_tracker_size=64000,
+        store_threshold=None,
+        max_tracker_size=None,
         enable_events=False,
     ):
+        # None keeps the library's default (``kvo_manager_config_default``).
         if isinstance(policy, str):
             try:
                 policy = _POLICIES[policy.lower()]
@@ -192,11 +193,14 @@ class Manager(_Handle):
         cfg = _ffi.kvo_manager_config()
         lib.kvo_manager_config_default(ctypes.byref(cfg))
         cfg.num_slots = _uint("num_slots", num_slots, _MAX_U64)
-        cfg.key_len = _uint("key_len", key_len, _MAX_U32)
+        if key_len is not None:
+            cfg.key_len = _uint("key_len", key_len, _MAX_U32)
         # Other ints (unknown policy numbers) go through: the library validates them.
         cfg.policy = _uint("policy", int(policy), _MAX_U32)
-        cfg.store_threshold = _uint("store_threshold", store_threshold, _MAX_U32)
-        cfg.max_tracker_size = _uint("max_tracker_size", max_tracker_size, _MAX_U64)
+        if store_threshold is not None:
+            cfg.store_threshold = _uint("store_threshold", store_threshold, _MAX_U32)
+        if max_tracker_size is not None:
+            cfg.max_tracker_size = _uint("max_tracker_size", max_tracker_size, _MAX_U64)
         cfg.enable_events = 1 if enable_events else 0
         ptr = ctypes.POINTER(_ffi._Manager)()
         lib.kvo_manager_new(ctypes.byref(cfg), ctypes.byref(ptr))

@@ -349,28 +349,36 @@ class Scheduler(_Handle):
     def __init__(
         self,
         num_slots,
-        key_len=32,
-        gpu_block_size=16,
-        block_size_factor=1,
+        key_len=None,
+        gpu_block_size=None,
+        block_size_factor=None,
         policy="lru",
-        num_workers=1,
-        offload_prompt_only=True,
-        store_threshold=0,
-        max_tracker_size=64000,
+        num_workers=None,
+        offload_prompt_only=None,
+        store_threshold=None,
+        max_tracker_size=None,
         enable_events=False,
     ):
+        # None keeps the library's default (``kvo_scheduler_config_default``).
         cfg = _ffi.kvo_scheduler_config()
         lib.kvo_scheduler_config_default(ctypes.byref(cfg))
         cfg.num_slots = _uint("num_slots", num_slots, _MAX_U64)
-        cfg.key_len = _uint("key_len", key_len, _MAX_U32)
-        cfg.gpu_block_size = _uint("gpu_block_size", gpu_block_size, _MAX_U32)
-        cfg.block_size_factor = _uint("block_size_factor", block_size_factor, _MAX_U32)
+        if key_len is not None:
+            cfg.key_len = _uint("key_len", key_len, _MAX_U32)
+        if gpu_block_size is not None:
+            cfg.gpu_block_size = _uint("gpu_block_size", gpu_block_size, _MAX_U32)
+        if block_size_factor is not None:
+            cfg.block_size_factor = _uint("block_size_factor", block_size_factor, _MAX_U32)
         # Unknown policy numbers go through: the library refuses them.
         cfg.policy = _policy(policy)
-        cfg.num_workers = _uint("num_workers", num_workers, _MAX_U32)
-        cfg.offload_prompt_only = _flag("offload_prompt_only", offload_prompt_only)
-        cfg.store_threshold = _uint("store_threshold", store_threshold, _MAX_U32)
-        cfg.max_tracker_size = _uint("max_tracker_size", max_tracker_size, _MAX_U64)
+        if num_workers is not None:
+            cfg.num_workers = _uint("num_workers", num_workers, _MAX_U32)
+        if offload_prompt_only is not None:
+            cfg.offload_prompt_only = _flag("offload_prompt_only", offload_prompt_only)
+        if store_threshold is not None:
+            cfg.store_threshold = _uint("store_threshold", store_threshold, _MAX_U32)
+        if max_tracker_size is not None:
+            cfg.max_tracker_size = _uint("max_tracker_size", max_tracker_size, _MAX_U64)
         cfg.enable_events = _flag("enable_events", enable_events)
         ptr = ctypes.POINTER(_ffi._Scheduler)()
         lib.kvo_scheduler_new(ctypes.byref(cfg), ctypes.byref(ptr))
