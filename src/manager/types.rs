@@ -24,7 +24,8 @@ pub struct ManagerConfig {
     pub store_threshold: u32,
     /// Keys the store-threshold filter tracks (least recently looked up dropped first); `>= 1`.
     pub max_tracker_size: usize,
-    /// Buffer stored / removed events for [`Manager::take_events`](super::Manager::take_events).
+    /// Buffer stored / removed events for
+    /// [`Manager::take_events`](super::Manager::take_events).
     pub enable_events: bool,
 }
 
@@ -61,7 +62,8 @@ pub struct PrefixLookup {
     pub retry: bool,
 }
 
-/// The outcome of [`Manager::prepare_store_into`](super::Manager::prepare_store_into): how much of each output was written.
+/// The outcome of [`Manager::prepare_store_into`](super::Manager::prepare_store_into): how
+/// much of each output was written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StoreCounts {
     /// Keys to store (entries of the index and slot outputs).
@@ -70,7 +72,8 @@ pub struct StoreCounts {
     pub evicted: usize,
 }
 
-/// Owned outputs of [`Manager::prepare_store`](super::Manager::prepare_store), reusable across calls.
+/// Owned outputs of [`Manager::prepare_store`](super::Manager::prepare_store), reusable across
+/// calls.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StorePlan {
     /// Indices (into the call's keys) of the keys to store, in input order.
