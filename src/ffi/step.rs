@@ -84,12 +84,15 @@ const STEP: &str = "step";
 pub unsafe extern "C" fn kvo_step_new(out: *mut *mut kvo_step) -> kvo_status {
     guard(|| {
         non_null(out, "out")?;
-        give(
-            out,
-            kvo_step {
-                inner: Mutex::new(StepState::default()),
-            },
-        );
+        // SAFETY: `out`, checked non-NULL above, is writable (the contract).
+        unsafe {
+            give(
+                out,
+                kvo_step {
+                    inner: Mutex::new(StepState::default()),
+                },
+            )
+        };
         Ok(())
     })
 }
@@ -126,7 +129,8 @@ pub unsafe extern "C" fn kvo_step_get_info(
             block_size_factor: s.block_size_factor,
             reserved: 0,
         })?;
-        write(out, info);
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out, info) };
         Ok(())
     })
 }
@@ -167,7 +171,8 @@ pub unsafe extern "C" fn kvo_step_get_job(
                 n_dst: s.dst(j).len(),
             })
         })??;
-        write(out, info);
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out, info) };
         Ok(())
     })
 }
@@ -246,7 +251,8 @@ pub unsafe extern "C" fn kvo_step_get_flush(
         h.with_step(|s| {
             let ids = s.flush();
             if cap < ids.len() {
-                write(out_n, ids.len());
+                // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+                unsafe { write(out_n, ids.len()) };
                 return Err(Failure::new(
                     kvo_status::BufferTooSmall,
                     format!("cap: {cap}, {} needed", ids.len()),
@@ -254,7 +260,8 @@ pub unsafe extern "C" fn kvo_step_get_flush(
             }
             // SAFETY: forwarded from the caller.
             unsafe { slice_mut(out_ids, ids.len(), "out_ids") }?.copy_from_slice(ids);
-            write(out_n, ids.len());
+            // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+            unsafe { write(out_n, ids.len()) };
             Ok(())
         })?
     })
@@ -284,7 +291,8 @@ pub unsafe extern "C" fn kvo_step_encode(
         let StepState { step, encoded } = &mut *st;
         step.encode(encoded);
         if cap < encoded.len() {
-            write(out_len, encoded.len());
+            // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+            unsafe { write(out_len, encoded.len()) };
             return Err(Failure::new(
                 kvo_status::BufferTooSmall,
                 format!("cap: {cap}, {} needed", encoded.len()),
@@ -292,7 +300,8 @@ pub unsafe extern "C" fn kvo_step_encode(
         }
         // SAFETY: forwarded from the caller.
         unsafe { slice_mut(buf, encoded.len(), "buf") }?.copy_from_slice(encoded);
-        write(out_len, encoded.len());
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_len, encoded.len()) };
         Ok(())
     })
 }

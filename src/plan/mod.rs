@@ -1,7 +1,7 @@
 //! The step plan: the contract between the scheduler, which produces one per engine step, and
 //! the workers, which execute it. A plan lists the load and store jobs of the step (direction,
 //! request, block ids) and the jobs the workers must finish before the step's copies and forward
-//! pass (the flush set). [`wire`] is its versioned byte format, for workers in other processes
+//! pass (the flush set). `wire` is its versioned byte format, for workers in other processes
 //! (specified in `docs/step-format.md`).
 
 mod wire;

@@ -296,4 +296,25 @@ mod tests {
         assert!(matches!(d.decode(&b), Err(Error::CorruptData(m)) if m.contains("version 2")));
         assert_eq!(d, before, "a failed decode changes nothing");
     }
+
+    /// The worked example of `docs/step-format.md`, byte for byte.
+    #[test]
+    fn the_documented_example() {
+        let mut s = Step::new();
+        s.clear(2);
+        s.push_job(1, Direction::Store, 300, 0, &[40, 41], &[2]);
+        s.set_flush([0]);
+        let mut bytes = Vec::new();
+        s.encode(&mut bytes);
+        let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex.join(" "),
+            "4b 56 4f 53 01 00 02 01 01 01 ac 02 00 02 28 29 01 02 01 00 55 8b 0d d9"
+        );
+        let doc = include_str!("../../docs/step-format.md");
+        assert!(
+            doc.contains(&hex.join(" ")),
+            "docs/step-format.md shows these bytes"
+        );
+    }
 }

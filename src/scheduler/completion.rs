@@ -26,6 +26,15 @@ impl Scheduler {
                 return Err(invalid!("reports[{i}].count: 0"));
             }
             if rep.job_id < self.stale_below {
+                // From before a reset: ignored, but only if it could be a real report.
+                if rep.count > self.cfg.num_workers {
+                    return Err(invalid!(
+                        "reports[{i}].count: {} reports for stale job {} but only {} workers",
+                        rep.count,
+                        rep.job_id,
+                        self.cfg.num_workers
+                    ));
+                }
                 continue;
             }
             let Some(job) = self.jobs.get(&rep.job_id) else {

@@ -7,7 +7,7 @@
 //! keys and reports what to recompute), `reset` clears in-flight job sets, every pin is released,
 //! no GPU block is reused while a job touches it, and a call that fails changes nothing.
 //!
-//! The files, one rule each: [`types`] (configuration, answers, stats), `matching` (the
+//! The files, one rule each: `types` (configuration, answers, stats), `matching` (the
 //! deferral rule, lookups, load jobs), `step` (a step's plan: store jobs and the flush set),
 //! `completion` (job completion, finishing requests, the reuse fence, reset), `invariants`.
 

@@ -56,7 +56,7 @@ pub enum DeferReason {
     BeingLoaded,
 }
 
-/// The answer of [`Scheduler::match_request`].
+/// The answer of [`Scheduler::match_request`](super::Scheduler::match_request).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Match {
     /// Ask again on a later step; allocate nothing for the request now.

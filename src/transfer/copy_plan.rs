@@ -1,4 +1,5 @@
-//! Copy plans: the (src, dst, size) descriptors of one job, as reference §6.5 step 2, with runs
+//! Copy plans: the (src, dst, size) descriptors of one job, as vLLM 0.24
+//! `SingleDirectionOffloadingHandler.transfer_async` builds them (`docs/design.md` §7), with runs
 //! of blocks that are contiguous on both sides merged into one descriptor.
 
 use super::backend::CopyDesc;

@@ -9,7 +9,8 @@
 //! all become [`Error::CudaUnavailable`]; nothing here panics on a machine without a GPU.
 //! `cudarc` still provides the handle types and the struct layouts (`CUmemcpyAttributes`).
 //!
-//! Copies (reference §6.5–6.6):
+//! Copies (as vLLM 0.24 `SingleDirectionOffloadingHandler` and `swap_blocks_batch`;
+//! `docs/design.md` §8):
 //! - one non-blocking stream per direction; stream order runs the jobs of one direction strictly
 //!   in submission order, and the two directions overlap;
 //! - a store (`Direction::Store`) given a compute stream first makes its stream wait for an
