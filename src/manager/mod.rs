@@ -2,8 +2,8 @@
 //! (store in flight, ready, pinned by loads), and eviction (LRU or ARC).
 //!
 //! Behaviour follows vLLM 0.24 `CPUOffloadingManager` exactly: the same calls give the same
-//! answers, slots and evictions. Differences: a call that fails changes nothing (vLLM asserts
-//! half-way), and duplicate keys in one `prepare_store` are stored once.
+//! answers, slots and evictions. Differences (`docs/design.md` §9): a call that fails changes
+//! nothing (vLLM asserts half-way), and duplicate keys in one `prepare_store` are stored once.
 //!
 //! This file holds the manager, its construction, key resolution, lookups and loads; `store.rs`
 //! the stores, evictions and discards; `dedupe.rs` the duplicate-key filter of a store;
