@@ -357,6 +357,7 @@ impl EvictionPolicy for ArcPolicy {
 
     /// vLLM's rule: while the simulated T1 size is below `int(target)`, T1 is not scanned at
     /// all (the quirk).
+    #[inline]
     fn pick_victims(&self, n: usize, slots: &[SlotState], epoch: u32, out: &mut Vec<u32>) -> bool {
         let eligible = |s: u32| slots[s as usize].is_evictable(epoch);
         // The simulated T1 size starts at T1's and drops with each T1 pick, so T1 gives the

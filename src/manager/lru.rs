@@ -89,6 +89,7 @@ impl EvictionPolicy for LruPolicy {
 
     /// The first `n` listed slots, LRU first, skipping protected ones (every listed slot is
     /// ready and idle).
+    #[inline]
     fn pick_victims(&self, n: usize, slots: &[SlotState], epoch: u32, out: &mut Vec<u32>) -> bool {
         let mut c = self.list.head;
         while out.len() < n && c != NO_ID {

@@ -10,7 +10,8 @@
 use super::arc::ArcPolicy;
 use super::keys::KeyTable;
 use super::lru::LruPolicy;
-use super::{NO_ID, SlotState};
+use super::pool::SlotPool;
+use super::{NO_ID, SlotState, key_at};
 use crate::error::Result;
 use crate::manager::Policy;
 
@@ -22,6 +23,17 @@ pub(super) struct NewKey<'k> {
     pub id: u32,
     pub hash: u64,
     pub key: &'k [u8],
+}
+
+/// The keys a `prepare_store` stores: `indices` into its `keys` (`key_len` bytes each), whose
+/// hashes and manager ids `resolve` found.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct NewKeys<'k> {
+    pub indices: &'k [u32],
+    pub keys: &'k [u8],
+    pub key_len: usize,
+    pub hashes: &'k [u64],
+    pub ids: &'k [u32],
 }
 
 /// One eviction policy's side of the manager: the calls a policy answers and the changes of
@@ -46,18 +58,29 @@ pub(super) trait EvictionPolicy: Sized {
     /// in-flight slot; returns the key's entry.
     fn insert(&mut self, new: NewKey<'_>, keys: &mut KeyTable) -> u32;
 
-    /// Stores every key of `new` in order: its slot records the key's entry and has its store
-    /// in flight.
-    #[inline]
-    fn insert_all<'k>(
+    /// Stores every key of `new` in order, each in a slot from `pool` written to `out`: the
+    /// slot records the key's entry and has its store in flight.
+    #[inline(always)]
+    fn insert_all(
         &mut self,
-        new: impl Iterator<Item = NewKey<'k>>,
+        new: NewKeys<'_>,
+        pool: &mut SlotPool,
         slots: &mut [SlotState],
         keys: &mut KeyTable,
+        out: &mut [u32],
     ) {
-        for k in new {
+        let kl = new.key_len;
+        for (out, &i) in out.iter_mut().zip(new.indices) {
+            let slot = pool.alloc();
+            let k = NewKey {
+                slot,
+                id: new.ids[i as usize],
+                hash: new.hashes[i as usize],
+                key: key_at(new.keys, kl, i),
+            };
             let entry = self.insert(k, keys);
-            slots[k.slot as usize].start_store(entry);
+            slots[slot as usize].start_store(entry);
+            *out = slot;
         }
     }
 
@@ -163,14 +186,16 @@ impl PolicyImpl {
     }
 
     /// See [`EvictionPolicy::insert_all`].
-    #[inline]
-    pub fn insert_all<'k>(
+    #[inline(always)]
+    pub fn insert_all(
         &mut self,
-        new: impl Iterator<Item = NewKey<'k>>,
+        new: NewKeys<'_>,
+        pool: &mut SlotPool,
         slots: &mut [SlotState],
         keys: &mut KeyTable,
+        out: &mut [u32],
     ) {
-        dispatch!(self, p => p.insert_all(new, slots, keys))
+        dispatch!(self, p => p.insert_all(new, pool, slots, keys, out))
     }
 
     /// See [`EvictionPolicy::on_pinned`].

@@ -2,8 +2,8 @@
 //! the policy, slots for the new keys), `complete_store`, and `discard`.
 
 use super::keys::{self, key_eq};
-use super::policy::NewKey;
-use super::{IN_FLIGHT, Manager, SlotState, StoreCounts, StorePlan, key_at};
+use super::policy::NewKeys;
+use super::{IN_FLIGHT, Manager, SlotState, StoreCounts, StorePlan};
 use crate::error::{Error, Result, invalid};
 
 impl Manager {
@@ -116,18 +116,16 @@ impl Manager {
         self.stats.stores_skipped += skipped;
         out_indices[..to_store].copy_from_slice(&self.scratch_new);
         let (new, hashes, ids) = (&self.scratch_new[..], &self.scratch_hash, &self.scratch_ids);
-        let pool = &mut self.pool;
-        let new = out_slots[..to_store].iter_mut().zip(new).map(|(out, &i)| {
-            let slot = pool.alloc();
-            *out = slot;
-            NewKey {
-                slot,
-                id: ids[i as usize],
-                hash: hashes[i as usize],
-                key: key_at(keys, kl, i),
-            }
-        });
-        self.policy.insert_all(new, &mut self.slots, &mut self.keys);
+        let new = NewKeys {
+            indices: new,
+            keys,
+            key_len: kl,
+            hashes,
+            ids,
+        };
+        let (pool, slots, table) = (&mut self.pool, &mut self.slots, &mut self.keys);
+        let out = &mut out_slots[..to_store];
+        self.policy.insert_all(new, pool, slots, table, out);
         self.stats.stores_in_flight += to_store as u64;
         Ok(StoreCounts {
             stored: to_store,
