@@ -9,8 +9,8 @@
 pub mod error;
 pub mod ffi;
 pub mod manager;
+pub mod metrics;
 pub mod plan;
-pub mod replay;
 pub mod scheduler;
 pub mod transfer;
 

@@ -1,6 +1,7 @@
 //! `kvo_scheduler_*`: the connector scheduler ([`crate::scheduler::Scheduler`]) behind a C handle.
 
 use super::manager::policy_from;
+use super::metrics::{kvo_label, naming, write_text};
 use super::{
     Failure, copy_events, free_handle, give, guard, handle, kvo_event, kvo_manager_stats,
     kvo_status, kvo_step, lock, non_null, read_config, slice, write, write_sized,
@@ -8,6 +9,7 @@ use super::{
 use crate::scheduler::{
     DeferReason, JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig,
 };
+use std::ffi::c_char;
 use std::sync::{Mutex, MutexGuard};
 
 /// "No limit" for `max_offload_tokens`.
@@ -61,7 +63,8 @@ pub struct kvo_scheduler_config {
     pub offload_prompt_only: u32,
     /// When >= 2, a chunk is stored only after this many lookups (default 0: off).
     pub store_threshold: u32,
-    /// Non-zero: buffer events for `kvo_scheduler_take_events` (default 0).
+    /// Non-zero: buffer events for `kvo_scheduler_take_events` (default 0), bounded as the
+    /// manager's (`kvo_manager_config.enable_events`).
     pub enable_events: u32,
     /// Keys the store-threshold filter tracks, >= 1 (default 64000).
     pub max_tracker_size: u64,
@@ -480,6 +483,97 @@ pub unsafe extern "C" fn kvo_scheduler_build_step(
     })
 }
 
+/// `kvo_scheduler_build_step` with the scheduled requests given as arrays (one entry per
+/// request, `n_scheduled` entries each) instead of structs: request `i` is `request_ids[i]`,
+/// with `num_computed_tokens[i]`, `num_scheduled_tokens[i]`, `num_tokens[i]`, the next
+/// `n_new_block_ids[i]` ids of `block_ids` (the requests' new block ids back to back,
+/// `n_block_ids` in all) and resumed when `resumed` is non-NULL and `resumed[i]` non-zero.
+/// For hosts that keep their batch in arrays (Python, numpy): the same plan, one call.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle or a NULL array with
+/// entries; `KVO_STATUS_INVALID_ARGUMENT` when an array's size overflows the address space or
+/// the counts of `n_new_block_ids` do not add up to `n_block_ids`; otherwise as
+/// `kvo_scheduler_build_step` (`KVO_STATUS_NOT_FOUND`, `KVO_STATUS_INVALID_STATE`,
+/// `KVO_STATUS_INVALID_ARGUMENT`, naming `scheduled[i]` for request `i`). On failure nothing
+/// changes and `step` is not written.
+///
+/// # Safety
+/// `s`, `step` NULL or live; the five per-request arrays and `resumed` NULL or `n_scheduled`
+/// readable entries; `block_ids` NULL or `n_block_ids` entries; `preempted` NULL or
+/// `n_preempted` entries.
+#[unsafe(no_mangle)]
+#[must_use]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvo_scheduler_build_step_arrays(
+    s: *mut kvo_scheduler,
+    n_scheduled: usize,
+    request_ids: *const u64,
+    num_computed_tokens: *const u64,
+    num_scheduled_tokens: *const u64,
+    num_tokens: *const u64,
+    n_new_block_ids: *const u64,
+    block_ids: *const u32,
+    n_block_ids: usize,
+    resumed: *const u8,
+    preempted: *const u64,
+    n_preempted: usize,
+    step: *mut kvo_step,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let sc = unsafe { sched(s) }?;
+        // SAFETY: forwarded from the caller.
+        let step = unsafe { handle(step, "step") }?;
+        let n = n_scheduled;
+        // SAFETY (all five): forwarded from the caller.
+        let ids = unsafe { slice(request_ids, n, "request_ids") }?;
+        // SAFETY: as above.
+        let computed = unsafe { slice(num_computed_tokens, n, "num_computed_tokens") }?;
+        // SAFETY: as above.
+        let sched_tokens = unsafe { slice(num_scheduled_tokens, n, "num_scheduled_tokens") }?;
+        // SAFETY: as above.
+        let tokens = unsafe { slice(num_tokens, n, "num_tokens") }?;
+        // SAFETY: as above.
+        let counts = unsafe { slice(n_new_block_ids, n, "n_new_block_ids") }?;
+        // SAFETY: forwarded from the caller.
+        let blocks = unsafe { slice(block_ids, n_block_ids, "block_ids") }?;
+        let resumed = if resumed.is_null() {
+            &[]
+        } else {
+            // SAFETY: forwarded from the caller.
+            unsafe { slice(resumed, n, "resumed") }?
+        };
+        // SAFETY: forwarded from the caller.
+        let preempted = unsafe { slice(preempted, n_preempted, "preempted") }?;
+        counts
+            .iter()
+            .try_fold(0u64, |a, &c| a.checked_add(c))
+            .filter(|&t| t == n_block_ids as u64)
+            .ok_or_else(|| {
+                Failure::invalid(format!(
+                    "n_new_block_ids: the counts do not add up to n_block_ids ({n_block_ids})"
+                ))
+            })?;
+        let mut list = Vec::with_capacity(n);
+        let mut at = 0usize;
+        for i in 0..n {
+            let end = at + counts[i] as usize;
+            list.push(ScheduledRequest {
+                request_id: ids[i],
+                num_computed_tokens: computed[i],
+                num_scheduled_tokens: sched_tokens[i],
+                num_tokens: tokens[i],
+                new_block_ids: &blocks[at..end],
+                resumed: resumed.get(i).is_some_and(|&r| r != 0),
+            });
+            at = end;
+        }
+        let mut sc = sc.get()?;
+        step.with_step(|st| sc.build_step(&list, preempted, st))??;
+        Ok(())
+    })
+}
+
 /// Counts worker reports. A job completes once `num_workers` reports arrived (failed if any
 /// failed): a store's chunks become ready (or are rolled back); a load's keys are unpinned (on
 /// failure also dropped from the tier, and `kvo_scheduler_load_failure` tells what the request
@@ -662,6 +756,48 @@ pub unsafe extern "C" fn kvo_scheduler_get_stats(
         };
         // SAFETY: forwarded from the caller.
         unsafe { write_sized(out, full, "out") }
+    })
+}
+
+/// Renders the scheduler's counters and gauges in the Prometheus text exposition format (0.0.4) into `buf`: every
+/// metric named `<prefix>_<name>` (`prefix` may be empty: then `<name>`), every sample with the
+/// `n_labels` constant labels, in order. README.md lists the metrics. They include its tier's (the
+/// manager metrics): do not render that tier again. A constant label may not be named
+/// `reason` (`deferred_matches_total` has it). Writes the
+/// text NUL-terminated and its length without the NUL to `*out_len`.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle, `prefix`, `out_len`,
+/// label string, `labels` with `n_labels > 0` or `buf` with `cap > 0`;
+/// `KVO_STATUS_INVALID_ARGUMENT` for a prefix that is not a metric name, a label name that is
+/// not a label name, `le` or repeated, or a string that is not UTF-8;
+/// `KVO_STATUS_BUFFER_TOO_SMALL` if `cap` is not above the length (only `*out_len` is written;
+/// pass `cap` 0 to ask, and retry with room to spare: counters grow between calls).
+///
+/// # Safety
+/// Handle NULL or live; `prefix` and the label strings NULL or NUL-terminated; `labels` NULL or
+/// `n_labels` entries; `buf` NULL or `cap` writable bytes; `out_len` NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_scheduler_metrics_text(
+    s: *const kvo_scheduler,
+    prefix: *const c_char,
+    labels: *const kvo_label,
+    n_labels: usize,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { sched(s) }?;
+        non_null(out_len, "out_len")?;
+        // SAFETY: forwarded from the caller.
+        let naming = unsafe { naming(prefix, labels, n_labels) }?;
+        let stats = h.get()?.stats();
+        let mut text = String::new();
+        crate::metrics::scheduler_text(&naming, &stats, &mut text)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { write_text(&text, buf, cap, out_len) }
     })
 }
 

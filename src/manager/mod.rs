@@ -23,7 +23,7 @@ mod store;
 mod tracker;
 mod types;
 
-pub use events::{Event, EventLog};
+pub use events::{Event, EventLog, MIN_EVENT_KEYS};
 pub use types::{
     Lookup, ManagerConfig, ManagerStats, Policy, PrefixLookup, StoreCounts, StorePlan,
 };
@@ -142,7 +142,7 @@ impl Manager {
         let tracker = (cfg.store_threshold >= 2)
             .then(|| Tracker::new(cfg.store_threshold, cfg.max_tracker_size, &keys));
         Ok(Self {
-            events: EventLog::new(cfg.key_len),
+            events: EventLog::new(cfg.key_len, event_bound(n)),
             stats: ManagerStats {
                 capacity: n as u64,
                 ..Default::default()
@@ -454,7 +454,10 @@ impl Manager {
 
     /// Takes the buffered events, oldest first.
     pub fn take_events(&mut self) -> EventLog {
-        std::mem::replace(&mut self.events, EventLog::new(self.cfg.key_len))
+        let fresh = EventLog::new(self.cfg.key_len, self.events.max_keys());
+        let log = std::mem::replace(&mut self.events, fresh);
+        self.stats.events_dropped += log.dropped();
+        log
     }
 
     /// Buffered events, oldest first (not drained).
@@ -465,6 +468,7 @@ impl Manager {
     /// Current counters and gauges.
     pub fn stats(&self) -> ManagerStats {
         let mut s = self.stats;
+        s.events_dropped += self.events.dropped();
         s.used = self.pool.num_used() as u64;
         s.ready = s.used - s.stores_in_flight;
         s
@@ -482,6 +486,11 @@ impl Manager {
         self.stats.pinned = 0;
         self.stats.stores_in_flight = 0;
     }
+}
+
+/// Keys the event buffer of a tier of `num_slots` slots holds at most.
+fn event_bound(num_slots: usize) -> usize {
+    num_slots.saturating_mul(4).max(MIN_EVENT_KEYS)
 }
 
 /// `n` copies of `value`, or [`Error::OutOfMemory`] (large tiers must not abort the host).

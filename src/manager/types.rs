@@ -25,7 +25,9 @@ pub struct ManagerConfig {
     /// Keys the store-threshold filter tracks (least recently looked up dropped first); `>= 1`.
     pub max_tracker_size: usize,
     /// Buffer stored / removed events for
-    /// [`Manager::take_events`](super::Manager::take_events).
+    /// [`Manager::take_events`](super::Manager::take_events): at most
+    /// `max(4 * num_slots, MIN_EVENT_KEYS)` keys, the oldest events dropped beyond that
+    /// ([`ManagerStats::events_dropped`]).
     pub enable_events: bool,
 }
 
@@ -107,4 +109,6 @@ pub struct ManagerStats {
     pub stores_skipped: u64,
     /// Keys evicted (cumulative).
     pub evictions: u64,
+    /// Events dropped, oldest first, because the buffer was full (cumulative).
+    pub events_dropped: u64,
 }
