@@ -3,7 +3,9 @@
 //! B1 and B2 remember evicted keys, each trimmed to the capacity.
 
 use super::keys::{KeyTable, key_eq};
-use super::list::{Links, List, NIL};
+use super::list::{Links, List};
+use super::policy::{EvictionPolicy, NewKey};
+use super::{NO_ID, SlotState};
 
 /// List tags of an entry: none, the stored lists T1/T2, the ghost lists B1/B2 (a ghost's list
 /// is its former stored list + 2).
@@ -12,13 +14,13 @@ const T1: u8 = 1;
 const T2: u8 = 2;
 const B1: u8 = 3;
 
-/// The [`Arc::pairs`] index of a tag's list: 0 for T1 and B1, 1 for T2 and B2.
+/// The [`ArcPolicy::pairs`] index of a tag's list: 0 for T1 and B1, 1 for T2 and B2.
 #[inline]
 fn pair(tag: u8) -> usize {
     usize::from(tag - 1) & 1
 }
 
-/// What ARC keeps about an entry beside its links: its slot (`NIL` for a ghost) and its list.
+/// What ARC keeps about an entry beside its links: its slot (`NO_ID` for a ghost) and its list.
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     slot: u32,
@@ -28,7 +30,7 @@ struct Entry {
 impl Default for Entry {
     fn default() -> Self {
         Self {
-            slot: NIL,
+            slot: NO_ID,
             tag: NONE,
         }
     }
@@ -41,7 +43,7 @@ impl Default for Entry {
 #[derive(Debug, Clone, Copy)]
 struct Pair {
     list: List,
-    /// The least recent stored key (`NIL`: none).
+    /// The least recent stored key (`NO_ID`: none).
     stored_head: u32,
     /// The stored keys; the rest of `list` are ghosts.
     stored: usize,
@@ -57,7 +59,7 @@ impl Default for Pair {
     fn default() -> Self {
         Self {
             list: List::default(),
-            stored_head: NIL,
+            stored_head: NO_ID,
             stored: 0,
         }
     }
@@ -66,11 +68,11 @@ impl Default for Pair {
 /// An entry is one key the policy knows: stored in a slot (T1/T2) or remembered after its
 /// eviction (B1/B2). Entries are the key-table ids, so an eviction or a revival only relinks
 /// the entry and changes its slot, and the key table is left alone. The manager sees a stored
-/// key as its slot and a ghost as `capacity + entry` (see [`Arc::id`]).
+/// key as its slot and a ghost as `capacity + entry` (see [`ArcPolicy::id_of_entry`]).
 #[derive(Clone)]
-pub(crate) struct Arc {
+pub(crate) struct ArcPolicy {
     capacity: usize,
-    /// vLLM's `target_t1_size`, a float as in the reference.
+    /// vLLM's `target_t1_size`, a float as in vLLM.
     target: f64,
     /// Per entry: its links, and beside them its slot and list.
     links: Links<Entry>,
@@ -92,32 +94,11 @@ pub(crate) struct ArcSnapshot {
     pub target: f64,
 }
 
-impl Arc {
-    /// ARC over slots `0..num_slots`.
-    pub fn new(num_slots: usize) -> crate::Result<Self> {
-        Ok(Self {
-            capacity: num_slots,
-            target: 0.0,
-            links: Links::with_len(num_slots)?,
-            pairs: [Pair::default(); 2],
-            free: Vec::new(),
-            used: 0,
-        })
-    }
-
-    /// The manager's id of key-table entry `e`: its slot, or `capacity + e` for a ghost.
-    #[inline]
-    pub fn id(&self, e: u32) -> u32 {
-        match self.links.data(e).slot {
-            NIL => self.capacity as u32 + e,
-            s => s,
-        }
-    }
-
+impl ArcPolicy {
     /// The ghost entry behind manager id `id`, if `id` names a live ghost.
     fn ghost(&self, id: u32) -> Option<u32> {
         let e = id.checked_sub(self.capacity as u32)?;
-        ((e as usize) < self.links.len() && self.links.data(e).tag >= B1).then_some(e)
+        ((e as usize) < self.links.capacity() && self.links.data(e).tag >= B1).then_some(e)
     }
 
     /// A free entry.
@@ -135,7 +116,7 @@ impl Arc {
     fn push_stored(&mut self, k: usize, e: u32, tag: u8) {
         let p = &mut self.pairs[k];
         self.links.push_back(&mut p.list, e);
-        if p.stored_head == NIL {
+        if p.stored_head == NO_ID {
             p.stored_head = e;
         }
         p.stored += 1;
@@ -160,7 +141,7 @@ impl Arc {
     #[inline]
     fn make_most_recent(&mut self, k: usize, e: u32, ghost: bool) {
         let p = &mut self.pairs[k];
-        let before = if ghost { p.stored_head } else { NIL };
+        let before = if ghost { p.stored_head } else { NO_ID };
         if self.links.next(e) == before {
             return;
         }
@@ -169,54 +150,14 @@ impl Arc {
         }
         self.links.unlink(&mut p.list, e);
         match before {
-            NIL => self.links.push_back(&mut p.list, e),
+            NO_ID => self.links.push_back(&mut p.list, e),
             at => self.links.insert_before(&mut p.list, at, e),
         }
     }
 
-    /// A new (in-flight) slot goes to the T1 MRU end with its key: `id` is what the manager
-    /// resolved for the key before this call's evictions (a ghost, or anything else); a ghost
-    /// that still holds the key is revived (it leaves its ghost list), else the key is added.
-    /// Returns the key's entry (the manager keeps it with the slot).
+    /// One stored key of a touch: entry `e`, whose slot has reference count `ref_cnt`.
     #[inline]
-    pub fn insert(
-        &mut self,
-        slot: u32,
-        id: u32,
-        hash: u64,
-        key: &[u8],
-        keys: &mut KeyTable,
-    ) -> u32 {
-        let e = match self.ghost(id) {
-            Some(e) if key_eq(keys.key(e), key) => {
-                keys.note_change();
-                self.unlink(e);
-                e
-            }
-            _ => {
-                let e = self.alloc();
-                keys.insert_hashed(hash, e, key);
-                e
-            }
-        };
-        self.push_stored(0, e, T1);
-        self.links.data_mut(e).slot = slot;
-        e
-    }
-
-    /// Unlinks entry `e`, drops its key and frees the entry: a stored key whose slot is freed
-    /// without a ghost.
-    pub fn remove(&mut self, e: u32, keys: &mut KeyTable) {
-        self.unlink(e);
-        *self.links.data_mut(e) = Entry::default();
-        keys.remove_id(e);
-        self.free.push(e);
-    }
-
-    /// One stored key of a touch (the manager walks the keys in reverse order): entry `e`,
-    /// whose slot has reference count `ref_cnt`.
-    #[inline]
-    pub fn touch_stored(&mut self, e: u32, ref_cnt: i32) {
+    fn touch_stored(&mut self, e: u32, ref_cnt: i32) {
         match self.links.data(e).tag {
             T1 if ref_cnt == -1 => self.make_most_recent(0, e, false),
             T1 => {
@@ -228,10 +169,10 @@ impl Arc {
         }
     }
 
-    /// One key of a touch that the manager knows by id `id` beyond the slots: a ghost adapts
-    /// the target and becomes the most recent of its list.
+    /// One key of a touch known by id `id` beyond the slots: a ghost adapts the target and
+    /// becomes the most recent of its list.
     #[inline]
-    pub fn touch_ghost(&mut self, id: u32) {
+    fn touch_ghost(&mut self, id: u32) {
         let Some(e) = self.ghost(id) else {
             return;
         };
@@ -248,25 +189,6 @@ impl Arc {
         self.make_most_recent(pair(t), e, true);
     }
 
-    /// Picks `n` victims (slots) with the reference's rule, changing nothing; false when it
-    /// cannot. While the simulated T1 size is below `int(target)`, T1 is not scanned at all
-    /// (the quirk). `eligible`: ready, unpinned and not protected.
-    pub fn pick_victims(
-        &self,
-        n: usize,
-        eligible: impl Fn(u32) -> bool,
-        out: &mut Vec<u32>,
-    ) -> bool {
-        // The simulated T1 size starts at T1's and drops with each T1 pick, so T1 gives the
-        // first picks (up to its size minus the target, plus one) until it has no eligible
-        // slot left, and T2 gives the rest.
-        let (t1, target) = (self.pairs[0].stored, self.target as usize);
-        let t1_picks = if t1 >= target { t1 - target + 1 } else { 0 };
-        let from_t1 = self.take(self.pairs[0].stored_head, n.min(t1_picks), &eligible, out);
-        let rest = n - from_t1;
-        self.take(self.pairs[1].stored_head, rest, &eligible, out) == rest
-    }
-
     /// Appends to `out` the first `n` eligible slots of the stored entries from `from` on (LRU
     /// first); returns how many it found.
     #[inline]
@@ -278,7 +200,7 @@ impl Arc {
         out: &mut Vec<u32>,
     ) -> usize {
         let (mut c, mut found) = (from, 0);
-        while found < n && c != NIL {
+        while found < n && c != NO_ID {
             let s = self.links.data(c).slot;
             c = self.links.next(c);
             if eligible(s) {
@@ -287,29 +209,6 @@ impl Arc {
             }
         }
         found
-    }
-
-    /// Evicts the entries of picked victims: each becomes the most recent ghost of its pair
-    /// (T1→B1, T2→B2) and loses its slot; then both ghost lists are trimmed to the capacity.
-    pub fn evict(&mut self, entries: impl Iterator<Item = u32>, keys: &mut KeyTable) {
-        for e in entries {
-            let data = self.links.data_mut(e);
-            let k = pair(data.tag);
-            (data.tag, data.slot) = (data.tag + 2, NIL);
-            let p = &mut self.pairs[k];
-            if p.stored_head == e {
-                // The least recent stored key: it is next to the ghosts already.
-                p.stored_head = self.links.next(e);
-            } else {
-                self.links.unlink(&mut p.list, e);
-                self.links.insert_before(&mut p.list, p.stored_head, e);
-            }
-            p.stored -= 1;
-        }
-        keys.note_change();
-        for k in 0..2 {
-            self.trim(k, keys);
-        }
     }
 
     /// Forgets the oldest ghosts of pair `k` beyond the capacity (they are the first entries of
@@ -330,20 +229,6 @@ impl Arc {
         self.links.detach_front(&mut self.pairs[k].list, excess, e);
     }
 
-    /// Empties every list and frees every entry (the manager clears the key table).
-    pub fn clear(&mut self) {
-        for p in &mut self.pairs {
-            self.links.clear(&mut p.list);
-            *p = Pair::default();
-        }
-        for e in 0..self.links.len() as u32 {
-            *self.links.data_mut(e) = Entry::default();
-        }
-        self.free.clear();
-        self.used = 0;
-        self.target = 0.0;
-    }
-
     /// The lists (LRU first) and the target, for tests.
     #[cfg(test)]
     pub fn snapshot(&self, keys: &KeyTable) -> ArcSnapshot {
@@ -357,7 +242,7 @@ impl Arc {
             v
         };
         let slots = |p: &Pair| {
-            walk(p.stored_head, NIL)
+            walk(p.stored_head, NO_ID)
                 .into_iter()
                 .map(|e| self.links.data(e).slot)
                 .collect()
@@ -382,11 +267,177 @@ impl Arc {
         self.target = target;
     }
 
-    pub fn num_ghosts(&self) -> (usize, usize) {
+    /// The ghosts in B1 and in B2.
+    fn num_ghosts(&self) -> (usize, usize) {
         (self.pairs[0].ghosts(), self.pairs[1].ghosts())
     }
 
-    pub fn listed(&self) -> usize {
+    /// The stored keys (T1 and T2).
+    fn listed(&self) -> usize {
         self.pairs[0].stored + self.pairs[1].stored
+    }
+}
+
+impl EvictionPolicy for ArcPolicy {
+    /// ARC names up to 4n keys (n stored, 2n ghosts, n just evicted) by ids up to 5n.
+    const MAX_SLOTS: usize = u32::MAX as usize / 5;
+
+    /// Also reserves the key-table room of the ghost lists (two lists of at most `num_slots`
+    /// keys each).
+    fn new(num_slots: usize, keys: &mut KeyTable) -> crate::Result<Self> {
+        keys.reserve_more(num_slots.saturating_mul(2))?;
+        Ok(Self {
+            capacity: num_slots,
+            target: 0.0,
+            links: Links::with_capacity(num_slots)?,
+            pairs: [Pair::default(); 2],
+            free: Vec::new(),
+            used: 0,
+        })
+    }
+
+    /// None: a slot is given an entry by each store.
+    #[inline]
+    fn free_entry(_slot: u32) -> u32 {
+        NO_ID
+    }
+
+    /// Its slot, or `capacity + e` for a ghost.
+    #[inline]
+    fn id_of_entry(&self, e: u32) -> u32 {
+        match self.links.data(e).slot {
+            NO_ID => self.capacity as u32 + e,
+            s => s,
+        }
+    }
+
+    /// The new (in-flight) slot goes to the T1 MRU end with its key: `new.id` is what the
+    /// manager resolved for the key before this call's evictions (a ghost, or anything else);
+    /// a ghost that still holds the key is revived (it leaves its ghost list), else the key is
+    /// added.
+    #[inline]
+    fn insert(&mut self, new: NewKey<'_>, keys: &mut KeyTable) -> u32 {
+        let e = match self.ghost(new.id) {
+            Some(e) if key_eq(keys.key(e), new.key) => {
+                keys.note_change();
+                self.unlink(e);
+                e
+            }
+            _ => {
+                let e = self.alloc();
+                keys.insert_hashed(new.hash, e, new.key);
+                e
+            }
+        };
+        self.push_stored(0, e, T1);
+        self.links.data_mut(e).slot = new.slot;
+        e
+    }
+
+    /// Nothing: ARC's lists hold pinned slots too.
+    #[inline]
+    fn on_pinned(&mut self, _slot: u32) {}
+
+    /// Nothing: a slot is listed from its store on.
+    #[inline]
+    fn on_ready(&mut self, _slot: u32) {}
+
+    /// A stored key in T1 moves to T2's MRU end (unless its store is in flight: then it
+    /// stays in T1, as its MRU), one in T2 becomes its MRU; a ghost adapts the target and
+    /// becomes the most recent of its list.
+    #[inline]
+    fn touch(&mut self, ids: &[u32], slots: &[SlotState]) {
+        for &id in ids.iter().rev().filter(|&&id| id != NO_ID) {
+            match slots.get(id as usize) {
+                Some(st) => self.touch_stored(st.entry, st.ref_cnt),
+                None => self.touch_ghost(id),
+            }
+        }
+    }
+
+    /// vLLM's rule: while the simulated T1 size is below `int(target)`, T1 is not scanned at
+    /// all (the quirk).
+    #[inline]
+    fn pick_victims(&self, n: usize, slots: &[SlotState], epoch: u32, out: &mut Vec<u32>) -> bool {
+        let eligible = |s: u32| slots[s as usize].is_evictable(epoch);
+        // The simulated T1 size starts at T1's and drops with each T1 pick, so T1 gives the
+        // first picks (up to its size minus the target, plus one) until it has no eligible
+        // slot left, and T2 gives the rest.
+        let (t1, target) = (self.pairs[0].stored, self.target as usize);
+        let t1_picks = if t1 >= target { t1 - target + 1 } else { 0 };
+        let from_t1 = self.take(self.pairs[0].stored_head, n.min(t1_picks), eligible, out);
+        let rest = n - from_t1;
+        self.take(self.pairs[1].stored_head, rest, eligible, out) == rest
+    }
+
+    /// Each victim's entry becomes the most recent ghost of its pair (T1→B1, T2→B2) and loses
+    /// its slot; then both ghost lists are trimmed to the capacity.
+    fn evict(&mut self, victims: &[u32], slots: &mut [SlotState], keys: &mut KeyTable) {
+        for &s in victims {
+            let e = std::mem::replace(&mut slots[s as usize].entry, NO_ID);
+            let data = self.links.data_mut(e);
+            let k = pair(data.tag);
+            (data.tag, data.slot) = (data.tag + 2, NO_ID);
+            let p = &mut self.pairs[k];
+            if p.stored_head == e {
+                // The least recent stored key: it is next to the ghosts already.
+                p.stored_head = self.links.next(e);
+            } else {
+                self.links.unlink(&mut p.list, e);
+                self.links.insert_before(&mut p.list, p.stored_head, e);
+            }
+            p.stored -= 1;
+        }
+        keys.note_change();
+        for k in 0..2 {
+            self.trim(k, keys);
+        }
+    }
+
+    /// Unlinks the slot's entry, drops its key and frees the entry (no ghost).
+    fn remove(&mut self, slot: u32, slots: &mut [SlotState], keys: &mut KeyTable) {
+        let e = std::mem::replace(&mut slots[slot as usize].entry, NO_ID);
+        self.unlink(e);
+        *self.links.data_mut(e) = Entry::default();
+        keys.remove_id(e);
+        self.free.push(e);
+    }
+
+    /// Empties every list, frees every entry and resets the target.
+    fn clear(&mut self, slots: &mut [SlotState]) {
+        for p in &mut self.pairs {
+            self.links.clear(&mut p.list);
+            *p = Pair::default();
+        }
+        for e in 0..self.links.capacity() as u32 {
+            *self.links.data_mut(e) = Entry::default();
+        }
+        self.free.clear();
+        self.used = 0;
+        self.target = 0.0;
+        slots.iter_mut().for_each(|s| s.entry = NO_ID);
+    }
+
+    /// The ghosts.
+    fn num_remembered(&self) -> usize {
+        let (b1, b2) = self.num_ghosts();
+        b1 + b2
+    }
+
+    fn check(
+        &self,
+        _slots: &[SlotState],
+        _occupied: &[bool],
+        used: usize,
+        _idle: u64,
+    ) -> Result<(), String> {
+        let (b1, b2) = self.num_ghosts();
+        if self.listed() != used || b1 > self.capacity || b2 > self.capacity {
+            return Err(format!(
+                "ARC lists: {} listed, {used} used, ghosts {b1}/{b2}",
+                self.listed()
+            ));
+        }
+        Ok(())
     }
 }

@@ -76,10 +76,10 @@ fn prefetch_line(addr: usize) {
     let _ = addr;
 }
 
-/// The index room reserved for `keys` keys: 5/2 of them, so that the table stays at most 40 %
-/// full. The tier's index churns (an evicting store inserts one key and removes another), and
-/// in sparse groups a removal leaves an empty bucket rather than a tombstone that lengthens
-/// later probes (at 7/4 room, the 5,859-slot LRU replay ran about a sixth slower).
+/// The index room reserved for `keys` keys: 5/2 of them, so that the table stays at most two
+/// fifths full. The tier's index churns (an evicting store inserts one key and removes
+/// another), and in sparse groups a removal leaves an empty bucket rather than a tombstone that
+/// lengthens later probes.
 fn index_room(keys: usize) -> usize {
     keys.saturating_mul(5) / 2
 }
@@ -329,8 +329,8 @@ mod tests {
     use super::*;
 
     /// Structured keys (counters in big-endian bytes, like trace ids) spread over the index as
-    /// random keys would: the low hash bits the index uses take about 1 - 1/e (63 %) distinct
-    /// values over as many keys as buckets, whatever the process's random seed.
+    /// random keys would: the low hash bits the index uses take about 1 - 1/e of the
+    /// possible values over as many keys as buckets, whatever the process's random seed.
     #[test]
     fn structured_keys_spread_like_random_ones() {
         for _ in 0..8 {

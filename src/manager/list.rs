@@ -1,7 +1,6 @@
 //! Intrusive doubly linked lists over dense `u32` ids: O(1) push, unlink and move, no allocation.
 
-/// The "no entry" id.
-pub(crate) const NIL: u32 = u32::MAX;
+use super::NO_ID;
 
 /// One list's ends and length; the links live in a shared [`Links`].
 #[derive(Debug, Clone, Copy)]
@@ -14,8 +13,8 @@ pub(crate) struct List {
 impl Default for List {
     fn default() -> Self {
         Self {
-            head: NIL,
-            tail: NIL,
+            head: NO_ID,
+            tail: NO_ID,
             len: 0,
         }
     }
@@ -41,7 +40,8 @@ pub(crate) struct Links<T = ()> {
 }
 
 impl<T: Copy + Default> Links<T> {
-    pub fn with_len(n: usize) -> crate::Result<Self> {
+    /// Room for ids `< n`, each in no list.
+    pub fn with_capacity(n: usize) -> crate::Result<Self> {
         Ok(Self {
             nodes: super::filled(n, Self::unlinked(), "list links")?,
         })
@@ -51,7 +51,7 @@ impl<T: Copy + Default> Links<T> {
     fn unlinked() -> Node<T> {
         Node {
             prev: OFF,
-            next: NIL,
+            next: NO_ID,
             data: T::default(),
         }
     }
@@ -64,7 +64,7 @@ impl<T: Copy + Default> Links<T> {
     }
 
     /// The number of ids there is room for.
-    pub fn len(&self) -> usize {
+    pub fn capacity(&self) -> usize {
         self.nodes.len()
     }
 
@@ -94,8 +94,8 @@ impl<T: Copy + Default> Links<T> {
     #[inline]
     pub fn push_back(&mut self, list: &mut List, id: u32) {
         let node = &mut self.nodes[id as usize];
-        (node.prev, node.next) = (list.tail, NIL);
-        if list.tail == NIL {
+        (node.prev, node.next) = (list.tail, NO_ID);
+        if list.tail == NO_ID {
             list.head = id;
         } else {
             self.nodes[list.tail as usize].next = id;
@@ -109,13 +109,13 @@ impl<T: Copy + Default> Links<T> {
     pub fn unlink(&mut self, list: &mut List, id: u32) {
         let node = &mut self.nodes[id as usize];
         let (p, n) = (node.prev, node.next);
-        (node.prev, node.next) = (OFF, NIL);
-        if p == NIL {
+        (node.prev, node.next) = (OFF, NO_ID);
+        if p == NO_ID {
             list.head = n;
         } else {
             self.nodes[p as usize].next = n;
         }
-        if n == NIL {
+        if n == NO_ID {
             list.tail = p;
         } else {
             self.nodes[n as usize].prev = p;
@@ -128,10 +128,10 @@ impl<T: Copy + Default> Links<T> {
     #[inline]
     pub fn detach_front(&mut self, list: &mut List, n: usize, rest: u32) {
         list.head = rest;
-        if rest == NIL {
-            list.tail = NIL;
+        if rest == NO_ID {
+            list.tail = NO_ID;
         } else {
-            self.nodes[rest as usize].prev = NIL;
+            self.nodes[rest as usize].prev = NO_ID;
         }
         list.len -= n;
     }
@@ -145,10 +145,10 @@ impl<T: Copy + Default> Links<T> {
     /// Takes every id of `list` out of it.
     pub fn clear(&mut self, list: &mut List) {
         let mut c = list.head;
-        while c != NIL {
+        while c != NO_ID {
             let node = &mut self.nodes[c as usize];
             c = node.next;
-            (node.prev, node.next) = (OFF, NIL);
+            (node.prev, node.next) = (OFF, NO_ID);
         }
         *list = List::default();
     }
@@ -169,7 +169,7 @@ impl<T: Copy + Default> Links<T> {
         let node = &mut self.nodes[id as usize];
         (node.prev, node.next) = (p, at);
         self.nodes[at as usize].prev = id;
-        if p == NIL {
+        if p == NO_ID {
             list.head = id;
         } else {
             self.nodes[p as usize].next = id;
@@ -185,7 +185,7 @@ mod tests {
     fn collect<T: Copy + Default>(links: &Links<T>, list: &List) -> Vec<u32> {
         let mut out = vec![];
         let mut c = list.head;
-        while c != NIL {
+        while c != NO_ID {
             out.push(c);
             c = links.next(c);
         }
@@ -195,7 +195,7 @@ mod tests {
 
     #[test]
     fn push_unlink_move() {
-        let mut links = Links::<()>::with_len(5).unwrap();
+        let mut links = Links::<()>::with_capacity(5).unwrap();
         let mut l = List::default();
         for i in 0..5 {
             links.push_back(&mut l, i);
@@ -223,7 +223,7 @@ mod tests {
 
     #[test]
     fn detach_front_keeps_the_rest_linked() {
-        let mut links = Links::<u8>::with_len(4).unwrap();
+        let mut links = Links::<u8>::with_capacity(4).unwrap();
         let mut l = List::default();
         for i in [2, 0, 3, 1] {
             links.push_back(&mut l, i);
@@ -242,8 +242,8 @@ mod tests {
         assert_eq!(collect(&links, &l), vec![1]);
         // Detaching everything empties the list.
         links.reset(1);
-        links.detach_front(&mut l, 1, NIL);
-        assert_eq!((l.head, l.tail, l.len), (NIL, NIL, 0));
+        links.detach_front(&mut l, 1, NO_ID);
+        assert_eq!((l.head, l.tail, l.len), (NO_ID, NO_ID, 0));
         links.push_back(&mut l, 0);
         assert_eq!(collect(&links, &l), vec![0]);
     }

@@ -1,5 +1,6 @@
-//! Unit tests of the manager: the reference's worked examples (§3.4, §3.5) and manager tests
-//! (§8.4), written from their descriptions.
+//! Unit tests of the manager: worked examples of vLLM 0.24's `LRUCachePolicy` and
+//! `ARCCachePolicy`, and cases of vLLM's manager tests (`tests/v1/kv_offload`), written from
+//! their descriptions.
 
 use super::*;
 
@@ -582,25 +583,22 @@ fn prefix_lookup_maximal_prefix_rule() {
     assert_eq!(m.stats().lookups - before, 3);
 }
 
-// ---- ARC (§3.5) ----
+// ---- ARC (vLLM 0.24 `ARCCachePolicy`) ----
 
 fn arc_state(m: &Manager) -> arc::ArcSnapshot {
-    match &m.policy {
-        PolicyImpl::Arc(a) => a.snapshot(&m.keys),
-        PolicyImpl::Lru(_) => panic!("not ARC"),
-    }
+    m.policy.arc().expect("not ARC").snapshot(&m.keys)
 }
 
 impl Manager {
     fn lru_order(&self) -> Vec<u32> {
-        match &self.policy {
-            PolicyImpl::Lru(l) => l.order(),
-            PolicyImpl::Arc(a) => a.snapshot(&self.keys).t1,
+        match self.policy.lru() {
+            Some(l) => l.order(),
+            None => arc_state(self).t1,
         }
     }
 
     fn set_arc_target(&mut self, t: f64) {
-        if let PolicyImpl::Arc(a) = &mut self.policy {
+        if let Some(a) = self.policy.arc_mut() {
             a.set_target(t);
         }
     }

@@ -23,7 +23,7 @@ impl Tracker {
             max_size,
             keys: keys.sibling(initial).expect("at most 64k keys"),
             counts: Vec::with_capacity(initial),
-            links: Links::with_len(initial).expect("at most 64k links"),
+            links: Links::with_capacity(initial).expect("at most 64k links"),
             list: List::default(),
         }
     }
