@@ -22,6 +22,14 @@
  * of n_keys * key_len bytes. Output buffers must not overlap each other or the inputs. The library
  * keeps no pointer to caller memory past a call, except the memory registered with a worker (KV
  * tensors, caller host buffers), which must stay valid until kvo_worker_free.
+ *
+ * GPU block reuse: the host may give a request's GPU blocks to another request as soon as it
+ * finishes, aborts, preempts or re-matches it, even while a job of the request still reads them
+ * (a store) or writes them (a load). The library fences such blocks: the next step plan that
+ * allocates one of them carries those jobs in its flush set, and kvo_worker_submit_step waits
+ * for the flush set before it queues the step's copies (a host that copies by other means waits
+ * for kvo_step_get_flush's ids before the step's forward pass). A load that was not yet in a
+ * step is withdrawn instead: it never ships. No call evicts a key it names.
  */
 #if defined(__GNUC__) || defined(__clang__)
 #define KVO_NODISCARD __attribute__((warn_unused_result))
@@ -919,7 +927,7 @@ kvo_status kvo_manager_complete_load(struct kvo_manager *m,
  *
  * Keys below the store threshold and keys already stored (ready or in flight) are skipped; a key
  * listed twice is stored once. If free slots do not suffice, ready unpinned keys are evicted by
- * the policy, never a key named in this call. Writes `*out_n_store` entries to `out_indices`
+ * the policy, never a key named in this call (not even one the store threshold skips). Writes `*out_n_store` entries to `out_indices`
  * (indices into `keys`, input order) and `out_slots`, and `*out_n_evicted` keys to
  * `out_evicted_keys` (back to back, eviction order). Each output holds `out_cap` entries
  * (`out_evicted_keys`: `out_cap * key_len` bytes); `out_cap >= n_keys` always suffices.
@@ -1150,13 +1158,16 @@ kvo_status kvo_scheduler_on_alloc(struct kvo_scheduler *s,
 
 /**
  * Builds this step's plan into `step`: the load jobs made since the last step, the store jobs of
- * the scheduled requests' newly complete chunks, and the flush set (jobs of `preempted`
- * requests, stores of finished requests whose GPU blocks were allocated again, jobs of a reset).
+ * the scheduled requests' newly complete chunks, and the flush set: the jobs of `preempted`
+ * requests, the in-flight jobs of requests that gave their GPU blocks back (finished, aborted,
+ * re-matched, resumed on other blocks) touching a block allocated since the last step, and the
+ * jobs of a reset. A preempted request's load not yet in a step is withdrawn (it never ships).
  * Call it once per engine step, after admissions (`kvo_scheduler_on_alloc`).
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
- * request; `KVO_STATUS_INVALID_STATE` for a finished one; `KVO_STATUS_INVALID_ARGUMENT` for a
- * request scheduled twice, a token count overflow, or block ids that do not cover its tokens.
+ * request; `KVO_STATUS_INVALID_STATE` for a finished one or one whose load is in flight;
+ * `KVO_STATUS_INVALID_ARGUMENT` for a request scheduled twice or both scheduled and preempted,
+ * a token count overflow, or block ids that do not cover its tokens.
  * On failure nothing changes and `step` is not written.
  *
  * # Safety
@@ -1190,9 +1201,11 @@ kvo_status kvo_scheduler_complete_jobs(struct kvo_scheduler *s,
                                        size_t n_reports);
 
 /**
- * Finishes or aborts a request. Without jobs in flight its state is dropped now; otherwise after
- * its last job completes, and meanwhile its stores' GPU blocks are fenced (reallocating one makes
- * the next step flush them). An aborted request's load releases its pins when it completes.
+ * Finishes or aborts a request; the host may reuse its GPU blocks at once. Its load not yet in a
+ * step is withdrawn (never ships, its pins are released now). Without other jobs in flight its
+ * state is dropped now; otherwise after its last job completes, and meanwhile the GPU blocks
+ * those jobs touch (stores read them, loads write them) are fenced: the next step that
+ * allocates one of them carries those jobs in its flush set.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
  * request; `KVO_STATUS_INVALID_STATE` if it was already finished.

@@ -178,6 +178,14 @@ fn scheduler_api_from_cxx() {
     assert_all_passed("scheduler.cpp", &out);
 }
 
+/// An aborted request's queued load must not overwrite the KV of the request that reuses its
+/// GPU blocks (checked on the bytes).
+#[test]
+fn abort_while_loading_keeps_the_reusing_requests_kv() {
+    let out = build_and_run("abort_race.c");
+    assert_all_passed("abort_race.c", &out);
+}
+
 #[test]
 fn worker_api_from_c() {
     let out = build_and_run("worker.c");

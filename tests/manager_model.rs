@@ -443,8 +443,9 @@ impl Model {
             if need > self.num_evictable() {
                 return Err(ErrKind::NoRoom);
             }
-            let protected: Vec<u64> = filtered.iter().map(|e| e.1).collect();
-            evicted = self.policy_evict(need, &protected).ok_or(ErrKind::NoRoom)?;
+            // Every key named in the call is protected, whether it passes the threshold or not
+            // (vLLM 0.24 protects only the keys after the filter).
+            evicted = self.policy_evict(need, keys).ok_or(ErrKind::NoRoom)?;
             for &k in &evicted {
                 let b = self.remove_block(k);
                 self.free_list.push(b.id);
@@ -918,7 +919,6 @@ impl Harness {
                 prop_assert_eq!(&plan.slots, &slots, "store slots{}", self.tr());
                 prop_assert_eq!(&evicted, &ev, "evicted keys{}", self.tr());
                 // Safety, judged on the manager's own answer against the state before the call.
-                let protected: Vec<u64> = before.filtered(&ks).into_iter().map(|e| e.1).collect();
                 for &k in &evicted {
                     prop_assert_eq!(
                         before.ref_cnt(k),
@@ -927,12 +927,7 @@ impl Harness {
                         k,
                         self.tr()
                     );
-                    prop_assert!(
-                        !protected.contains(&k),
-                        "evicted input key {}{}",
-                        k,
-                        self.tr()
-                    );
+                    prop_assert!(!ks.contains(&k), "evicted input key {}{}", k, self.tr());
                 }
                 for (j, &s) in plan.slots.iter().enumerate() {
                     prop_assert!((s as usize) < self.setup.cap, "slot range{}", self.tr());
@@ -1202,32 +1197,71 @@ fn arc_target_uses_float_delta() {
     m.check_invariants().unwrap();
 }
 
-/// Step 1 of prepare_store comes first: an input key that is stored but no longer passes the
-/// store threshold (the bounded tracker forgot its count) is filtered out, so it is not
-/// protected and this very call may evict it (§3.2, "protected = set(keys after step 1)").
+/// An input key that is stored but no longer passes the store threshold (the bounded tracker
+/// forgot its count) is still protected: `prepare_store` never evicts a key named in the call
+/// (vLLM 0.24 protects only the keys that pass the filter, and evicts it). The scenario: 2 slots,
+/// K1 stored, K2 and K3 eligible, the tracker has forgotten K1; storing [K1, K2, K3] needs K1's
+/// slot, so the answer is "no room", with nothing changed.
 #[test]
-fn threshold_filtered_input_key_is_not_protected() {
-    let mut m = Manager::new(ManagerConfig {
-        key_len: KEY_LEN,
-        num_slots: 1,
-        policy: Policy::Lru,
-        store_threshold: 2,
-        max_tracker_size: 2,
-        enable_events: true,
-    })
-    .unwrap();
-    let look = |m: &mut Manager, k: u64| m.lookup(&enc(&[k])).unwrap();
-    look(&mut m, 1);
-    look(&mut m, 1);
-    assert_eq!(store_ok(&mut m, &[1]), (vec![0], vec![]));
-    look(&mut m, 2);
-    look(&mut m, 2);
-    look(&mut m, 3); // the tracker (size 2) drops key 1's count
-    let mut plan = StorePlan::default();
-    let c = m.prepare_store(&enc(&[1, 2]), &mut plan).unwrap();
-    assert_eq!((c.stored, c.evicted), (1, 1));
-    assert_eq!((plan.indices, plan.slots), (vec![1], vec![0]));
-    assert_eq!(dec(&plan.evicted), vec![1]);
-    assert_eq!(m.stats().stores_skipped, 1);
-    m.check_invariants().unwrap();
+fn threshold_filtered_input_key_is_protected() {
+    for policy in [Policy::Lru, Policy::Arc] {
+        let mut m = Manager::new(ManagerConfig {
+            key_len: KEY_LEN,
+            num_slots: 2,
+            policy,
+            store_threshold: 2,
+            max_tracker_size: 2,
+            enable_events: true,
+        })
+        .unwrap();
+        let look = |m: &mut Manager, k: u64| m.lookup(&enc(&[k])).unwrap();
+        look(&mut m, 1);
+        look(&mut m, 1);
+        assert_eq!(store_ok(&mut m, &[1]), (vec![0], vec![]));
+        for k in [2, 2, 3, 3] {
+            look(&mut m, k); // the tracker (size 2) drops key 1's count
+        }
+        let before = m.stats();
+        let mut plan = StorePlan::default();
+        let r = m.prepare_store(&enc(&[1, 2, 3]), &mut plan);
+        assert!(matches!(r, Err(Error::NoRoom(_))), "{policy:?}: {r:?}");
+        assert_eq!(
+            m.stats(),
+            before,
+            "{policy:?}: a refused call changes nothing"
+        );
+        assert_eq!(m.ref_count(&enc(&[1])), Some(0), "{policy:?}: K1 kept");
+        // With a free slot for K2 alone the call stores it and still keeps K1.
+        let c = m.prepare_store(&enc(&[1, 2]), &mut plan).unwrap();
+        assert_eq!((c.stored, c.evicted), (1, 0), "{policy:?}");
+        assert_eq!(plan.indices, vec![1], "{policy:?}");
+        assert_eq!(m.ref_count(&enc(&[1])), Some(0), "{policy:?}: K1 kept");
+        m.check_invariants().unwrap();
+    }
+}
+
+/// The same scenario through the model harness (each call checked against the model, which
+/// protects every key named in the call), in both policies.
+#[test]
+fn threshold_forgotten_stored_key_is_protected_model() {
+    use Sel::Any;
+    for policy in [Policy::Lru, Policy::Arc] {
+        let ops = [
+            Op::LookupStore(vec![Any(1)]),
+            Op::LookupStore(vec![Any(1)]),
+            Op::Lookup(Any(2)),
+            Op::Lookup(Any(2)),
+            Op::Lookup(Any(3)),
+            Op::Lookup(Any(3)),
+            Op::PrepareStore(vec![Any(1), Any(2), Any(3)]),
+            Op::PrepareStore(vec![Any(1), Any(2)]),
+        ];
+        let setup = Setup {
+            policy,
+            cap: 2,
+            threshold: 2,
+            max_tracker: 2,
+        };
+        run_case(setup, &ops).unwrap();
+    }
 }

@@ -186,6 +186,9 @@ struct HJob {
     keys: Vec<u64>,
     /// Loads: (GPU-hit tokens, hit tokens).
     range: (u64, u64),
+    /// Loads: its request gave the GPU blocks back (aborted or preempted) and no longer waits
+    /// for it.
+    orphan: bool,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -219,6 +222,12 @@ struct Coverage {
     failed_loads: u64,
     failed_stores: u64,
     aborted_loads: u64,
+    /// Loads withdrawn before they shipped (request aborted or preempted first).
+    withdrawn_loads: u64,
+    /// Loading requests preempted after their load shipped.
+    preempted_loads: u64,
+    /// Loads of requests that gave their blocks back, flushed because a block was reused.
+    load_fence_flushes: u64,
     loads_run: u64,
     partial_first_chunk_loads: u64,
     store_chunks_run: u64,
@@ -236,6 +245,10 @@ struct Params {
     store_threshold: u32,
     /// The host may call `on_alloc` some operations after the match instead of right after it.
     split: bool,
+    /// The host frees an aborted loading request's GPU blocks at once (as a host that reads
+    /// only the header may, relying on the reuse fence), instead of keeping them until the
+    /// load is done (as vLLM's core does).
+    eager_free: bool,
 }
 
 struct Sim {
@@ -243,6 +256,7 @@ struct Sim {
     f: u64,
     obs: u64,
     split: bool,
+    eager_free: bool,
     s: Scheduler,
     step: Step,
     step_no: u64,
@@ -297,6 +311,7 @@ impl Sim {
             f: p.factor as u64,
             obs: GBS * p.factor as u64,
             split: p.split,
+            eager_free: p.eager_free,
             s,
             step: Step::new(),
             step_no: 0,
@@ -502,11 +517,26 @@ impl Sim {
         let res = self.s.finish_request(id);
         self.note(format!("finish_request({id}) -> {res:?}"));
         self.ok("finish_request", res)?;
-        let r = self.reqs.get_mut(&id).unwrap();
-        if let St::Loading(j) = r.st {
+        let unshipped = self.host_jobs(id).into_iter().find(|j| {
+            let j = &self.jobs[j];
+            j.kind == JobKind::Load && j.step.is_none()
+        });
+        if let Some(j) = unshipped {
+            // Not shipped yet: the scheduler withdraws it, so the blocks are free at once.
+            self.withdraw(j);
+        }
+        let load = match self.reqs[&id].st {
+            St::Loading(j) => self.jobs.get(&j).map(|job| (j, job.step.is_some())),
+            _ => None,
+        };
+        if let (Some((j, true)), false) = (load, self.eager_free) {
             // The core keeps the blocks of an aborted loading request until its load is done.
-            r.st = St::Aborted(j);
+            self.reqs.get_mut(&id).unwrap().st = St::Aborted(j);
         } else {
+            if let Some((j, true)) = load {
+                // The host frees the blocks now: the fence must hold their reuse.
+                self.jobs.get_mut(&j).unwrap().orphan = true;
+            }
             let r = self.reqs.remove(&id).unwrap();
             self.free.extend(r.blocks);
             self.preempt_next.retain(|&p| p != id);
@@ -514,7 +544,23 @@ impl Sim {
         self.check()
     }
 
+    /// The scheduler withdrew load `j` before it shipped: it never runs and is never reported.
+    fn withdraw(&mut self, j: u64) {
+        self.jobs.remove(&j);
+        self.cov.withdrawn_loads += 1;
+        self.note(format!("(host) load {j} withdrawn"));
+    }
+
     fn preempt_host(&mut self, id: u64) {
+        let r = self.reqs.get_mut(&id).unwrap();
+        if let St::Loading(j) = r.st {
+            // A shipped load keeps running: it is flushed by the step that names the preemption.
+            // One not shipped yet is withdrawn by that step.
+            if let Some(job) = self.jobs.get_mut(&j) {
+                job.orphan = true;
+                self.cov.preempted_loads += job.step.is_some() as u64;
+            }
+        }
         let r = self.reqs.get_mut(&id).unwrap();
         r.st = St::Waiting;
         r.nc = 0;
@@ -614,6 +660,10 @@ impl Sim {
             }
         }
         if j.kind == JobKind::Store {
+            return Ok(());
+        }
+        if j.orphan {
+            self.cov.aborted_loads += 1;
             return Ok(());
         }
         let st = self.reqs.get(&j.req).map(|r| r.st);
@@ -802,6 +852,11 @@ impl Sim {
             if let Some(r) = self.reqs.get_mut(&p) {
                 r.preempt_pending = false;
             }
+            for j in self.host_jobs(p) {
+                if self.jobs[&j].kind == JobKind::Load && self.jobs[&j].step.is_none() {
+                    self.withdraw(j);
+                }
+            }
         }
 
         // Jobs of the step.
@@ -967,6 +1022,7 @@ impl Sim {
                             expected,
                             keys,
                             range: (0, 0),
+                            orphan: false,
                         },
                     );
                 }
@@ -998,22 +1054,42 @@ impl Sim {
                 "step {m}: job {j} in flight at the reset not flushed"
             );
         }
-        let mut fence = 0;
+        // The reuse fence: a shipped job whose request gave its GPU blocks back (finished,
+        // aborted, preempted), not flushed before, must be flushed by the step that reallocates
+        // one of them.
+        let (mut fence, mut load_fence) = (0, 0);
         for (&jid, j) in &self.jobs {
-            if j.stale || j.kind != JobKind::Store || self.live(j.req) {
+            let released = match j.kind {
+                JobKind::Store => !self.live(j.req),
+                JobKind::Load => j.orphan,
+            };
+            if j.stale || !released || j.step.is_none() || j.flushed_at.is_some() {
                 continue;
             }
-            if let Some(b) = j.src.iter().find(|b| self.allocated_since_step.contains(b)) {
+            let touched = if j.kind == JobKind::Load {
+                &j.dst
+            } else {
+                &j.src
+            };
+            if let Some(b) = touched
+                .iter()
+                .find(|b| self.allocated_since_step.contains(b))
+            {
                 ensure!(
                     self,
                     flush.contains(&jid),
-                    "step {m}: store {jid} of finished request {} reads GPU block {b}, reallocated, but is not flushed",
+                    "step {m}: {:?} {jid} of request {} (given back) touches GPU block {b}, reallocated, but is not flushed",
+                    j.kind,
                     j.req
                 );
-                fence += 1;
+                match j.kind {
+                    JobKind::Store => fence += 1,
+                    JobKind::Load => load_fence += 1,
+                }
             }
         }
         self.cov.fence_flushes += fence;
+        self.cov.load_fence_flushes += load_fence;
         for &id in &flush {
             ensure!(
                 self,
@@ -1301,6 +1377,7 @@ impl Sim {
                         expected: Vec::new(),
                         keys,
                         range: (c, n),
+                        orphan: false,
                     },
                 );
                 let r = self.reqs.get_mut(&id).unwrap();
@@ -1431,10 +1508,12 @@ impl Sim {
     }
 
     fn op_preempt(&mut self, rng: &mut Rng) -> R {
+        // Now and then a loading request: its blocks go back while its load may be in flight.
+        let loading = rng.chance(1, 3);
         let cands: Vec<u64> = self
             .reqs
             .iter()
-            .filter(|(_, r)| r.st == St::Running)
+            .filter(|(_, r)| r.st == St::Running || (loading && matches!(r.st, St::Loading(_))))
             .map(|(&k, _)| k)
             .collect();
         if let Some(id) = rng.pick(&cands) {
@@ -1584,6 +1663,7 @@ fn params(split: bool) -> impl Strategy<Value = Params> {
         12u32..48,
         any::<bool>(),
         prop_oneof![3 => Just(0u32), 1 => Just(2u32)],
+        any::<bool>(),
     )
         .prop_map(
             move |(
@@ -1595,6 +1675,7 @@ fn params(split: bool) -> impl Strategy<Value = Params> {
                 gpu_blocks,
                 events,
                 store_threshold,
+                eager_free,
             )| Params {
                 factor,
                 num_slots,
@@ -1605,6 +1686,7 @@ fn params(split: bool) -> impl Strategy<Value = Params> {
                 events,
                 store_threshold,
                 split,
+                eager_free,
             },
         )
 }
@@ -1657,6 +1739,7 @@ fn the_simulation_reaches_the_interesting_states() {
             events: g.chance(1, 2),
             store_threshold: if g.chance(1, 4) { 2 } else { 0 },
             split: false,
+            eager_free: g.chance(1, 2),
         };
         let ops: Vec<(u8, u32)> = (0..200)
             .map(|_| (g.below(100) as u8, g.next() as u32))
@@ -1671,7 +1754,7 @@ fn the_simulation_reaches_the_interesting_states() {
         }
         add!(cov, c: window_defers, preempt_flushes, forced_preemptions, fence_flushes, resets,
             resets_after_building, stale_reports, split_reports, failed_loads, failed_stores,
-            aborted_loads, loads_run, partial_first_chunk_loads, store_chunks_run);
+            aborted_loads, withdrawn_loads, preempted_loads, load_fence_flushes, loads_run, partial_first_chunk_loads, store_chunks_run);
         add!(stats, e: matches, deferred_jobs_in_flight, deferred_store_in_flight,
             deferred_being_loaded, hits, hit_tokens, load_jobs, store_jobs, stored_chunks,
             failed_jobs);

@@ -378,7 +378,7 @@ pub unsafe extern "C" fn kvo_manager_complete_load(
 ///
 /// Keys below the store threshold and keys already stored (ready or in flight) are skipped; a key
 /// listed twice is stored once. If free slots do not suffice, ready unpinned keys are evicted by
-/// the policy, never a key named in this call. Writes `*out_n_store` entries to `out_indices`
+/// the policy, never a key named in this call (not even one the store threshold skips). Writes `*out_n_store` entries to `out_indices`
 /// (indices into `keys`, input order) and `out_slots`, and `*out_n_evicted` keys to
 /// `out_evicted_keys` (back to back, eviction order). Each output holds `out_cap` entries
 /// (`out_evicted_keys`: `out_cap * key_len` bytes); `out_cap >= n_keys` always suffices.

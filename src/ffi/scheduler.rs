@@ -414,13 +414,16 @@ pub unsafe extern "C" fn kvo_scheduler_on_alloc(
 }
 
 /// Builds this step's plan into `step`: the load jobs made since the last step, the store jobs of
-/// the scheduled requests' newly complete chunks, and the flush set (jobs of `preempted`
-/// requests, stores of finished requests whose GPU blocks were allocated again, jobs of a reset).
+/// the scheduled requests' newly complete chunks, and the flush set: the jobs of `preempted`
+/// requests, the in-flight jobs of requests that gave their GPU blocks back (finished, aborted,
+/// re-matched, resumed on other blocks) touching a block allocated since the last step, and the
+/// jobs of a reset. A preempted request's load not yet in a step is withdrawn (it never ships).
 /// Call it once per engine step, after admissions (`kvo_scheduler_on_alloc`).
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
-/// request; `KVO_STATUS_INVALID_STATE` for a finished one; `KVO_STATUS_INVALID_ARGUMENT` for a
-/// request scheduled twice, a token count overflow, or block ids that do not cover its tokens.
+/// request; `KVO_STATUS_INVALID_STATE` for a finished one or one whose load is in flight;
+/// `KVO_STATUS_INVALID_ARGUMENT` for a request scheduled twice or both scheduled and preempted,
+/// a token count overflow, or block ids that do not cover its tokens.
 /// On failure nothing changes and `step` is not written.
 ///
 /// # Safety
@@ -499,9 +502,11 @@ pub unsafe extern "C" fn kvo_scheduler_complete_jobs(
     })
 }
 
-/// Finishes or aborts a request. Without jobs in flight its state is dropped now; otherwise after
-/// its last job completes, and meanwhile its stores' GPU blocks are fenced (reallocating one makes
-/// the next step flush them). An aborted request's load releases its pins when it completes.
+/// Finishes or aborts a request; the host may reuse its GPU blocks at once. Its load not yet in a
+/// step is withdrawn (never ships, its pins are released now). Without other jobs in flight its
+/// state is dropped now; otherwise after its last job completes, and meanwhile the GPU blocks
+/// those jobs touch (stores read them, loads write them) are fenced: the next step that
+/// allocates one of them carries those jobs in its flush set.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an unknown
 /// request; `KVO_STATUS_INVALID_STATE` if it was already finished.

@@ -614,22 +614,26 @@ impl Manager {
             });
         }
         self.resolve(keys);
-        // Filter (threshold), protect the present ones, collect the absent ones (deduplicated).
+        // Protect every present key named in the call (before the threshold filter: vLLM 0.24
+        // protects only the keys that pass it), filter by the threshold, collect the absent
+        // keys that pass (deduplicated).
         self.next_epoch();
         self.scratch_new.clear();
         let mut skipped = 0;
         let (ids, hashes, epoch) = (&self.scratch_slot[..n], &self.scratch_hash[..n], self.epoch);
         let (slots, new, num_slots) = (&mut self.slots, &mut self.scratch_new, self.cfg.num_slots);
         for (i, (key, &id)) in keys.chunks_exact(kl).zip(ids).enumerate() {
+            let present = (id as usize) < num_slots;
+            if present {
+                slots[id as usize].stamp = epoch;
+            }
             if let Some(t) = &self.tracker
                 && !t.passes(hashes[i], key)
             {
                 skipped += 1;
                 continue;
             }
-            if (id as usize) < num_slots {
-                slots[id as usize].stamp = epoch;
-            } else {
+            if !present {
                 new.push(i as u32);
             }
         }

@@ -23,12 +23,15 @@ pub(crate) struct Job {
     pub failed: bool,
     /// The offload keys the job moves, back to back.
     pub keys: Vec<u8>,
-    /// Stores: source GPU blocks (fenced once the request finishes).
-    /// Loads: tokens `[from, to)` the job fills, to recompute if it fails.
+    /// The GPU blocks the job touches: a store reads them, a load writes them.
     pub gpu_blocks: Vec<u32>,
     /// Stores: the host slots the keys go to (completion finds them without a hash lookup).
     pub slots: Vec<u32>,
+    /// Loads: tokens `[from, to)` the job fills, to recompute if it fails.
     pub tokens: (u64, u64),
+    /// The request gave its GPU blocks back while this job touches them: the job is in the
+    /// reuse fence, or was flushed at the request's preemption.
+    pub released: bool,
     /// The first chunk the job moves: a failed job makes its request offer chunks again from here.
     pub first_chunk: u64,
 }

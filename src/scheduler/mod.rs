@@ -160,7 +160,9 @@ pub struct Scheduler {
     pending_loads: Step,
     /// GPU block ids allocated since the last step (inputs of the reuse fence).
     allocated: Vec<u32>,
-    /// The reuse fence: GPU block id → store jobs of finished requests reading it.
+    /// The reuse fence: GPU block id → in-flight jobs touching it whose request gave the block
+    /// back (finished, aborted, re-matched, resumed on other blocks). Allocating a fenced block
+    /// puts its jobs in the next step's flush set; a job leaves the fence when it completes.
     fence: HashMap<u32, Vec<u64>>,
     /// Jobs to flush in the next step.
     flush: Vec<u64>,
@@ -344,6 +346,10 @@ impl Scheduler {
             )));
         }
         self.stats.matches += 1;
+        if in_flight {
+            // A request matched again has no GPU blocks: the ones its jobs touch are given back.
+            self.release_blocks(id);
+        }
         let r = self.requests.get_mut(&id).expect("checked");
         r.block_ids.clear();
         r.recompute = None;
@@ -458,10 +464,11 @@ impl Scheduler {
             pending: self.cfg.num_workers,
             failed: false,
             keys: take_filled(&mut self.spare_keys, keys),
-            gpu_blocks: Vec::new(),
+            gpu_blocks: take_filled(&mut self.spare_blocks, dst),
             slots: Vec::new(),
             tokens: (local_gpu * gbs, total),
             first_chunk: local_gpu / self.cfg.block_size_factor as u64,
+            released: false,
         };
         self.jobs.insert(job_id, job);
         let r = self.requests.get_mut(&id).expect("checked");
@@ -474,12 +481,15 @@ impl Scheduler {
     }
 
     /// Builds the step plan into `step`: the load jobs made since the last step, the store jobs
-    /// of the scheduled requests' newly complete chunks, and the flush set (preempted requests'
-    /// jobs, stores of finished requests whose GPU blocks were reallocated, jobs of a reset).
+    /// of the scheduled requests' newly complete chunks, and the flush set: the jobs of the
+    /// preempted requests, the fenced jobs touching a GPU block allocated since the last step
+    /// (see [`Self::finish_request`]), and the jobs of a reset. A preempted request's load not
+    /// yet in a step is withdrawn (it never ships; its keys are unpinned).
     ///
     /// Fails, changing nothing: [`Error::NotFound`] for an unknown request,
-    /// [`Error::InvalidState`] for a finished one or one whose load is in flight, [`Error::InvalidArgument`] for a request
-    /// scheduled twice or whose block ids do not cover its computed tokens.
+    /// [`Error::InvalidState`] for a finished one or one whose load is in flight,
+    /// [`Error::InvalidArgument`] for a request scheduled twice, scheduled and preempted at once,
+    /// or whose block ids do not cover its computed tokens.
     pub fn build_step(
         &mut self,
         scheduled: &[ScheduledRequest<'_>],
@@ -526,12 +536,20 @@ impl Scheduler {
             }
         }
         for (i, &p) in preempted.iter().enumerate() {
-            self.request(p).map_err(|_| {
+            let r = self.request(p).map_err(|_| {
                 Error::NotFound(format!("preempted[{i}]: request {p} is not tracked"))
             })?;
+            if r.build_mark == mark {
+                return Err(invalid!(
+                    "preempted[{i}]: request {p} is also scheduled in this step"
+                ));
+            }
         }
 
         for s in scheduled {
+            if s.resumed {
+                self.release_blocks(s.request_id);
+            }
             let r = self.requests.get_mut(&s.request_id).expect("validated");
             r.num_tokens = s.num_tokens;
             if s.resumed {
@@ -540,8 +558,14 @@ impl Scheduler {
             r.block_ids.extend_from_slice(s.new_block_ids);
             self.allocated.extend_from_slice(s.new_block_ids);
         }
-        for p in preempted {
-            self.flush.extend_from_slice(&self.requests[p].jobs);
+        for &p in preempted {
+            // The flush makes the worker finish these jobs before this step's copies and forward
+            // pass, so whatever reuses the blocks from this step on is safe: no fence needed.
+            self.withdraw_unshipped_load(p);
+            for &j in &self.requests[&p].jobs {
+                self.flush.push(j);
+                self.jobs.get_mut(&j).expect("in flight").released = true;
+            }
         }
         if self.fence.is_empty() {
             self.allocated.clear();
@@ -553,7 +577,9 @@ impl Scheduler {
         }
         step.clear(self.cfg.block_size_factor);
         for j in self.pending_loads.jobs() {
-            step.push_from(&self.pending_loads, j);
+            if self.jobs.contains_key(&j.id) {
+                step.push_from(&self.pending_loads, j);
+            }
         }
         self.pending_loads.clear(self.cfg.block_size_factor);
         // Large tiers: start the index misses of every store candidate of the step at once.
@@ -664,6 +690,7 @@ impl Scheduler {
             slots: take_filled(&mut self.spare_blocks, &self.plan.slots),
             tokens: (0, 0),
             first_chunk: first as u64,
+            released: false,
         };
         self.jobs.insert(job_id, job);
         Ok(())
@@ -686,18 +713,18 @@ impl Scheduler {
             if rep.job_id < self.stale_below {
                 continue;
             }
-            if self.pending_loads.jobs().iter().any(|j| j.id == rep.job_id) {
-                return Err(Error::InvalidState(format!(
-                    "reports[{i}].job_id: load {} is not in a step yet",
-                    rep.job_id
-                )));
-            }
             let Some(job) = self.jobs.get(&rep.job_id) else {
                 return Err(Error::NotFound(format!(
                     "reports[{i}].job_id: {} is not in flight",
                     rep.job_id
                 )));
             };
+            if self.pending_loads.jobs().iter().any(|j| j.id == rep.job_id) {
+                return Err(Error::InvalidState(format!(
+                    "reports[{i}].job_id: load {} is not in a step yet",
+                    rep.job_id
+                )));
+            }
             let seen = self.scratch_counts.entry(rep.job_id).or_insert(0);
             *seen = seen.saturating_add(rep.count);
             if *seen > job.pending {
@@ -746,7 +773,7 @@ impl Scheduler {
                 }
             }
         }
-        if r.finished {
+        if job.released {
             for b in &job.gpu_blocks {
                 if let Some(jobs) = self.fence.get_mut(b) {
                     jobs.retain(|&j| j != job_id);
@@ -778,21 +805,63 @@ impl Scheduler {
         }
     }
 
-    /// Finishes (or aborts) a request. Without jobs in flight its state is dropped now;
-    /// otherwise when its last job completes, and until then its stores' GPU blocks are fenced:
-    /// if one of them is allocated again, the next step flushes those stores.
+    /// Finishes (or aborts) a request; the host may reuse its GPU blocks at once. A load not yet
+    /// in a step is withdrawn (it never ships; its keys are unpinned). Without other jobs in
+    /// flight the request's state is dropped now; otherwise when its last job completes, and
+    /// until then the GPU blocks those jobs touch (stores read them, loads write them) are
+    /// fenced: a step that allocates one of them flushes those jobs, so the worker finishes them
+    /// before that step's copies and forward pass.
+    ///
+    /// Fails with [`Error::NotFound`] for an unknown request and [`Error::InvalidState`] for a
+    /// finished one, changing nothing.
     pub fn finish_request(&mut self, id: u64) -> Result<()> {
-        if self.live_request(id)?.jobs.is_empty() {
+        self.live_request(id)?;
+        self.release_blocks(id);
+        let r = self.requests.get_mut(&id).expect("checked");
+        if r.jobs.is_empty() {
             self.drop_request(id);
-            return Ok(());
+        } else {
+            r.finished = true;
         }
+        Ok(())
+    }
+
+    /// The request gives its GPU blocks back while its jobs may still touch them: its load not
+    /// yet in a step is withdrawn, and every shipped job not released yet enters the fence on
+    /// the blocks it touches.
+    fn release_blocks(&mut self, id: u64) {
+        self.withdraw_unshipped_load(id);
         for &j in &self.requests[&id].jobs {
-            for &b in &self.jobs[&j].gpu_blocks {
-                self.fence.entry(b).or_default().push(j);
+            let job = self.jobs.get_mut(&j).expect("in flight");
+            if !std::mem::replace(&mut job.released, true) {
+                for &b in &job.gpu_blocks {
+                    self.fence.entry(b).or_default().push(j);
+                }
             }
         }
-        self.requests.get_mut(&id).expect("checked").finished = true;
-        Ok(())
+    }
+
+    /// Withdraws the request's load job if it is not in a step yet: nothing has touched its
+    /// blocks, so it is dropped (keys unpinned, chunks offered again) and never ships.
+    fn withdraw_unshipped_load(&mut self, id: u64) {
+        let r = &self.requests[&id];
+        let Some(&j) = r.jobs.first() else {
+            return;
+        };
+        if self.jobs[&j].kind != JobKind::Load
+            || !self.pending_loads.jobs().iter().any(|p| p.id == j)
+        {
+            return;
+        }
+        let job = self.jobs.remove(&j).expect("in flight");
+        self.manager
+            .complete_load(&job.keys)
+            .expect("a load's keys are pinned");
+        let r = self.requests.get_mut(&id).expect("tracked");
+        r.jobs.clear();
+        r.next_stored_chunk = r.next_stored_chunk.min(job.first_chunk);
+        recycle(&mut self.spare_keys, job.keys);
+        recycle(&mut self.spare_blocks, job.gpu_blocks);
     }
 
     /// The tokens a request must recompute because its load failed, reported until its next
@@ -817,7 +886,12 @@ impl Scheduler {
     /// Fails with [`Error::InvalidState`], changing nothing, while load jobs made since the last
     /// step are not yet in a step (call [`Self::build_step`] first).
     pub fn reset(&mut self) -> Result<()> {
-        if !self.pending_loads.jobs().is_empty() {
+        if self
+            .pending_loads
+            .jobs()
+            .iter()
+            .any(|j| self.jobs.contains_key(&j.id))
+        {
             return Err(Error::InvalidState(
                 "reset: load jobs made since the last step are not in a step yet; build the step first".into(),
             ));
@@ -858,7 +932,8 @@ impl Scheduler {
 
     /// Checks the invariants: jobs and requests agree; a request never has a load and stores in
     /// flight at once; the pinned keys are exactly those of in-flight loads and the in-flight
-    /// stores exactly those of store jobs; the fence names only stores of finished requests.
+    /// stores exactly those of store jobs; the fence names only released in-flight jobs, on
+    /// blocks they touch; a finished request's jobs are all released.
     pub fn check_invariants(&self) -> Result<()> {
         self.manager.check_invariants()?;
         let bad = |m: String| Err(Error::Internal(m));
@@ -920,15 +995,23 @@ impl Scheduler {
         }
         for (b, jobs) in &self.fence {
             for j in jobs {
-                let ok = self.jobs.get(j).is_some_and(|j| {
-                    j.kind == JobKind::Store
-                        && self.requests.get(&j.request_id).is_some_and(|r| r.finished)
-                });
+                let ok = self
+                    .jobs
+                    .get(j)
+                    .is_some_and(|j| j.released && j.gpu_blocks.contains(b));
                 if !ok {
                     return bad(format!(
-                        "fence on block {b} names job {j}, not a store of a finished request"
+                        "fence on block {b} names job {j}, not a released job touching it"
                     ));
                 }
+            }
+        }
+        for (&jid, j) in &self.jobs {
+            if self.requests[&j.request_id].finished && !j.released {
+                return bad(format!(
+                    "job {jid} of finished request {} still holds its blocks",
+                    j.request_id
+                ));
             }
         }
         Ok(())

@@ -357,15 +357,166 @@ fn fence_at_store_building() {
     assert!(t.s.fence.is_empty());
 }
 
+/// vLLM issue-style abort while loading, as a host reading only the header does it: request 2's
+/// load of prefix A ships, request 2 is aborted, its GPU blocks go to request 3 at once. The step
+/// that schedules request 3 must flush the load, or the load overwrites request 3's KV.
 #[test]
-fn loads_do_not_populate_the_fence() {
+fn abort_while_loading_fences_the_loads_blocks() {
+    let mut t = T::new(SchedulerConfig {
+        block_size_factor: 1,
+        ..cfg()
+    });
+    let b1 = blocks(0, 16);
+    t.add(1, 3, 64);
+    assert_eq!(t.matched(1, 0), Match::Miss);
+    t.s.on_alloc(1, &b1, 0).unwrap();
+    let store = t.step(&[sched(1, 0, 64, 64, &b1)], &[]).jobs()[0].id;
+    t.complete(&[store], true);
+    t.s.finish_request(1).unwrap();
+
+    t.add(2, 3, 61); // shares prefix A: 15 full blocks hit
+    assert_eq!(t.matched(2, 0), Match::Hit(60));
+    let b2 = blocks(16, 32);
+    let load = t.s.on_alloc(2, &b2, 60).unwrap().unwrap();
+    assert_eq!(t.step(&[], &[]).jobs()[0].id, load, "the load ships");
+    assert_eq!(t.step.dst(&t.step.jobs()[0]), &b2[..15]);
+    t.s.finish_request(2).unwrap(); // aborted while its load is in flight
+    assert_eq!(t.s.fence.len(), 15, "the blocks the load writes are fenced");
+
+    t.add(3, 9, 64);
+    assert_eq!(t.matched(3, 0), Match::Miss);
+    t.s.on_alloc(3, &b2, 0).unwrap();
+    let st = t.step(&[sched(3, 0, 64, 64, &b2)], &[]);
+    assert_eq!(
+        st.flush(),
+        &[load],
+        "request 3's first step waits for the load"
+    );
+    assert_eq!(st.jobs().len(), 1, "request 3's store");
+    assert_eq!(
+        t.s.stats().requests,
+        2,
+        "request 2 kept until its load completes"
+    );
+    t.complete(&[load], true);
+    assert!(t.s.fence.is_empty());
+    assert_eq!((t.s.stats().requests, t.s.stats().manager.pinned), (1, 0));
+}
+
+/// A load not yet in a step when its request is aborted never ships: nothing has touched its
+/// blocks, so it is withdrawn (keys unpinned) and the host may reuse the blocks at once.
+#[test]
+fn abort_before_the_load_ships_withdraws_it() {
     let mut t = T::new(cfg());
     let s = t.prefill(1, 3, 12, 0);
     t.complete(&[s], true);
     t.add(2, 3, 13);
     assert_eq!(t.matched(2, 0), Match::Hit(12));
-    t.s.on_alloc(2, &blocks(5, 9), 12).unwrap();
+    let load = t.s.on_alloc(2, &blocks(5, 9), 12).unwrap().unwrap();
     t.s.finish_request(2).unwrap();
+    assert!(t.s.fence.is_empty());
+    let st = t.s.stats();
+    assert_eq!(
+        (st.requests, st.manager.pinned, st.loads_in_flight),
+        (1, 0, 0)
+    );
+    let st = t.step(&[], &[]);
+    assert!(st.jobs().is_empty() && st.flush().is_empty());
+    let r = t.s.complete_jobs(&[JobReport {
+        job_id: load,
+        count: 1,
+        success: true,
+    }]);
+    assert!(matches!(r, Err(Error::NotFound(_))), "{r:?}");
+    assert!(matches!(t.s.finish_request(2), Err(Error::NotFound(_))));
+}
+
+/// Preempting a loading request: a shipped load is flushed by the preemption's step; one not
+/// shipped yet is withdrawn, and the request can match again at once.
+#[test]
+fn preempting_a_loading_request_flushes_or_withdraws_its_load() {
+    let mut t = T::new(cfg());
+    let s = t.prefill(1, 3, 12, 0);
+    t.complete(&[s], true);
+    t.add(2, 3, 13);
+    assert_eq!(t.matched(2, 0), Match::Hit(12));
+    let shipped = t.s.on_alloc(2, &blocks(5, 9), 12).unwrap().unwrap();
+    t.step(&[], &[]);
+    let st = t.step(&[], &[2]);
+    assert_eq!(st.flush(), &[shipped]);
+    assert_eq!(
+        t.matched(2, 0),
+        Match::Defer(DeferReason::JobsInFlight),
+        "until its completion is reported"
+    );
+    t.complete(&[shipped], true);
+
+    assert_eq!(t.matched(2, 0), Match::Hit(12));
+    t.s.on_alloc(2, &blocks(5, 9), 12).unwrap().unwrap();
+    let st = t.step(&[], &[2]);
+    assert!(st.jobs().is_empty() && st.flush().is_empty(), "withdrawn");
+    assert_eq!(t.s.stats().manager.pinned, 0);
+    assert_eq!(t.matched(2, 0), Match::Hit(12));
+}
+
+/// A host that matches a request again (dropping its blocks) while its load is in flight, or
+/// resumes a request on other blocks while its stores are in flight, without reporting a
+/// preemption: those jobs are fenced like an aborted request's.
+#[test]
+fn rematch_and_resume_release_blocks_to_the_fence() {
+    let mut t = T::new(cfg());
+    let s = t.prefill(1, 3, 12, 0);
+    t.complete(&[s], true);
+    t.add(2, 3, 13);
+    assert_eq!(t.matched(2, 0), Match::Hit(12));
+    let load = t.s.on_alloc(2, &blocks(5, 9), 12).unwrap().unwrap();
+    t.step(&[], &[]);
+    assert_eq!(t.matched(2, 0), Match::Defer(DeferReason::JobsInFlight));
+    assert_eq!(t.s.fence.len(), 3);
+    t.add(3, 9, 8);
+    assert_eq!(t.matched(3, 0), Match::Miss);
+    t.s.on_alloc(3, &[6, 20], 0).unwrap();
+    assert_eq!(t.step(&[], &[]).flush(), &[load]);
+    t.complete(&[load], true);
+    assert!(t.s.fence.is_empty());
+
+    // Resumed on new blocks while its store of blocks 0..3 is in flight.
+    let s = t.prefill(4, 7, 12, 30);
+    t.grow(4, 7, 12, 13);
+    let b = [40u32, 41, 42, 43];
+    let resumed = ScheduledRequest {
+        resumed: true,
+        ..sched(4, 0, 13, 13, &b)
+    };
+    assert!(t.step(&[resumed], &[]).flush().is_empty());
+    assert_eq!(t.s.fence.len(), 3, "blocks 30..33 given back");
+    t.add(5, 8, 4);
+    assert_eq!(t.matched(5, 0), Match::Miss);
+    t.s.on_alloc(5, &[31], 0).unwrap();
+    assert_eq!(t.step(&[], &[]).flush(), &[s]);
+}
+
+/// A request scheduled and preempted in one step, or finished twice, is refused, changing nothing.
+#[test]
+fn contradictory_release_calls_change_nothing() {
+    let mut t = T::new(cfg());
+    let s = t.prefill(1, 3, 12, 0);
+    let b = [3u32];
+    t.grow(1, 3, 12, 13);
+    let before = t.s.stats();
+    let r =
+        t.s.build_step(&[sched(1, 12, 1, 13, &b)], &[1], &mut t.step);
+    assert!(
+        matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("preempted[0]")),
+        "{r:?}"
+    );
+    assert_eq!(t.s.stats(), before);
+    t.s.finish_request(1).unwrap();
+    let before = t.s.stats();
+    assert!(matches!(t.s.finish_request(1), Err(Error::InvalidState(_))));
+    assert_eq!(t.s.stats(), before);
+    assert_eq!(t.s.fence.len(), 3);
+    t.complete(&[s], true);
     assert!(t.s.fence.is_empty());
 }
 
