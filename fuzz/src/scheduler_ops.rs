@@ -181,6 +181,13 @@ impl Host {
         }
     }
 
+    /// The scheduler withdraws a request's load that is not in a step yet when the request
+    /// gives its blocks back (finished, preempted): it never ships.
+    fn withdraw_unshipped(&mut self, req: u64) {
+        self.jobs
+            .retain(|_, j| !(j.req == req && j.kind == JobKind::Load && !j.in_step && !j.stale));
+    }
+
     fn with_gen(&self, blocks: &[u32]) -> Vec<(u32, u64)> {
         blocks.iter().map(|&b| (b, self.generation[b as usize])).collect()
     }
@@ -481,6 +488,7 @@ fn apply(
             let res = s.finish_request(id);
             if host.reqs.contains_key(&id) {
                 res.as_ref().expect("finish of a live request");
+                host.withdraw_unshipped(id);
                 host.release(id);
                 host.reqs.remove(&id);
             } else {
@@ -530,6 +538,7 @@ fn build_step(
         }
     }
     for &id in &pre {
+        host.withdraw_unshipped(id);
         host.release(id);
         if let Some(r) = host.reqs.get_mut(&id) {
             r.was_preempted = true;
@@ -558,7 +567,7 @@ fn build_step(
         let r = host.reqs.get_mut(&id).expect("live");
         r.blocks.append(&mut fresh);
         let new_ids = r.blocks[if resumed { 0 } else { r.announced }..].to_vec();
-        specs.push((id, r.computed, n, r.num_tokens, new_ids, resumed || r.announced == 0));
+        specs.push((id, r.computed, n, r.num_tokens, new_ids, resumed));
     }
     let sched: Vec<ScheduledRequest<'_>> = specs
         .iter()
@@ -750,3 +759,93 @@ fn complete(s: &mut Scheduler, host: &mut Host, reports: &[Report]) -> Result<()
     Ok(())
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input(ops: Vec<Op>) -> Input {
+        Input {
+            key_len: 0,
+            gpu_block_size: 0,
+            factor: 0,
+            num_slots: 8,
+            arc: false,
+            num_workers: 0,
+            prompt_only: true,
+            threshold: false,
+            ops,
+        }
+    }
+
+    fn add(req: u8, family: u8) -> Op {
+        Op::Add {
+            req,
+            family,
+            blocks: 4,
+            extra: 0,
+            max_offload: None,
+        }
+    }
+
+    fn step(scheduled: Vec<Sched>) -> Op {
+        Op::Step {
+            scheduled,
+            preempted: vec![],
+        }
+    }
+
+    fn prefill(req: u8) -> Sched {
+        Sched {
+            req,
+            tokens: 3,
+            extra_block: false,
+            resumed: false,
+        }
+    }
+
+    /// Issue 10: a request aborted while its load is in flight gives its GPU blocks back; the
+    /// request that gets them next must not run before the load is flushed.
+    #[test]
+    fn aborted_load_fences_its_blocks() {
+        run(&input(vec![
+            add(0, 0),
+            Op::Match { req: 0, gpu_hit_blocks: 0 },
+            Op::Alloc { req: 0, external: External::None, extra_blocks: 0 },
+            step(vec![prefill(0)]),
+            Op::Complete(vec![Report { job: JobRef::InStep(0), count: 1, success: true }]),
+            Op::Finish { req: 0 },
+            add(1, 0),
+            Op::Match { req: 1, gpu_hit_blocks: 0 },
+            Op::Alloc { req: 1, external: External::Hit, extra_blocks: 0 },
+            step(vec![]),
+            Op::Finish { req: 1 },
+            add(2, 1),
+            Op::Match { req: 2, gpu_hit_blocks: 0 },
+            Op::Alloc { req: 2, external: External::None, extra_blocks: 2 },
+            step(vec![]),
+        ]));
+    }
+
+    /// A load aborted before its step never ships, and its blocks are free at once.
+    #[test]
+    fn unshipped_load_is_withdrawn() {
+        run(&input(vec![
+            add(0, 0),
+            Op::Match { req: 0, gpu_hit_blocks: 0 },
+            Op::Alloc { req: 0, external: External::None, extra_blocks: 0 },
+            step(vec![prefill(0)]),
+            Op::Complete(vec![Report { job: JobRef::InStep(0), count: 1, success: true }]),
+            Op::Finish { req: 0 },
+            add(1, 0),
+            Op::Match { req: 1, gpu_hit_blocks: 0 },
+            Op::Alloc { req: 1, external: External::Hit, extra_blocks: 0 },
+            Op::Finish { req: 1 },
+            add(2, 1),
+            Op::Match { req: 2, gpu_hit_blocks: 0 },
+            Op::Alloc { req: 2, external: External::None, extra_blocks: 2 },
+            step(vec![]),
+            Op::Reset,
+        ]));
+    }
+}
