@@ -563,7 +563,9 @@ fn build_step(
         let Some(mut fresh) = host.alloc(need as usize + sc.extra_block as usize) else {
             continue;
         };
-        let resumed = sc.resumed && r.announced == 0 && r.was_preempted;
+        // The first schedule after an allocation gives all the request's blocks; after a
+        // preemption it must say so (they replace the list the scheduler kept).
+        let resumed = r.announced == 0 && (r.was_preempted || sc.resumed);
         let r = host.reqs.get_mut(&id).expect("live");
         r.blocks.append(&mut fresh);
         let new_ids = r.blocks[if resumed { 0 } else { r.announced }..].to_vec();
