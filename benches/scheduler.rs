@@ -17,7 +17,8 @@
 use criterion::{BenchmarkId, Criterion, Throughput};
 use kvoffload::ffi::{self, kvo_status};
 use kvoffload::manager::Policy;
-use kvoffload::scheduler::{JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig, Step};
+use kvoffload::plan::Step;
+use kvoffload::scheduler::{JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig};
 use std::ffi::c_char;
 use std::hint::black_box;
 use std::time::{Duration, Instant};

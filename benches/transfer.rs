@@ -5,7 +5,7 @@
 //! `cargo bench --bench transfer -- gpu`, or `scripts/gpu-check.sh`).
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kvoffload::scheduler::JobKind;
+use kvoffload::plan::Direction;
 use kvoffload::transfer::{BackendKind, JobBlocks, KvTensor, Worker, WorkerConfig};
 use std::hint::black_box;
 use std::time::Duration;
@@ -51,7 +51,7 @@ fn setup(page: u64, threads: usize) -> Setup {
 
 fn run_job(s: &mut Setup, id: u64) {
     let job = JobBlocks {
-        kind: JobKind::Store,
+        kind: Direction::Store,
         src: &s.gpu,
         dst: &s.slots,
         block_index: 0,
@@ -73,7 +73,7 @@ fn host_bandwidth(c: &mut Criterion) {
         let s = setup(page, 1);
         let mut plan = Vec::new();
         let job = JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src: &s.gpu,
             dst: &s.slots,
             block_index: 0,
@@ -113,7 +113,7 @@ fn plan_building(c: &mut Criterion) {
     let s = setup(4096, 1);
     let mut out = Vec::with_capacity(BLOCKS as usize);
     let job = JobBlocks {
-        kind: JobKind::Store,
+        kind: Direction::Store,
         src: &s.gpu,
         dst: &s.slots,
         block_index: 0,
@@ -154,12 +154,12 @@ fn plan_building(c: &mut Criterion) {
 /// summary prints wall-clock and device-timed (CUDA events, `Completion::seconds`) GB/s against
 /// the PCIe Gen5 x16 line rate and the target (>= 45 GB/s from 256 KiB blocks).
 mod gpu {
-    use super::{BackendKind, JobBlocks, JobKind, KvTensor, Worker, WorkerConfig};
+    use super::{BackendKind, Direction, JobBlocks, KvTensor, Worker, WorkerConfig};
     use criterion::measurement::WallTime;
     use criterion::{BenchmarkGroup, Criterion, Throughput};
     use cudarc::driver::sys;
     use kvoffload::transfer::cuda::{CudaBackend, cuda_available, cuda_driver_version};
-    use kvoffload::transfer::{Backend, Completion, CopyDesc, Direction};
+    use kvoffload::transfer::{Backend, Completion, CopyDesc};
     use std::ffi::{CStr, c_char, c_int, c_uint};
     use std::time::{Duration, Instant};
 
@@ -388,11 +388,7 @@ mod gpu {
                     self.worker
                         .plan(job, &mut self.descs)
                         .expect("Worker::plan");
-                    let dir = match job.kind {
-                        JobKind::Load => Direction::ToKv,
-                        JobKind::Store => Direction::ToHost,
-                    };
-                    be.submit(id, dir, &self.descs, 0)
+                    be.submit(id, job.kind, &self.descs, 0)
                         .expect("CudaBackend::submit");
                     be.wait(&[id], TIMEOUT).expect("CudaBackend::wait");
                     be.poll(&mut self.out).expect("CudaBackend::poll");
@@ -453,7 +449,7 @@ mod gpu {
 
         fn store(&self) -> JobBlocks<'_> {
             JobBlocks {
-                kind: JobKind::Store,
+                kind: Direction::Store,
                 src: &self.blocks,
                 dst: &self.reversed,
                 block_index: 0,
@@ -462,7 +458,7 @@ mod gpu {
 
         fn load(&self) -> JobBlocks<'_> {
             JobBlocks {
-                kind: JobKind::Load,
+                kind: Direction::Load,
                 src: &self.reversed,
                 dst: &self.blocks,
                 block_index: 0,
@@ -495,7 +491,7 @@ mod gpu {
         rig.run(
             direct,
             &JobBlocks {
-                kind: JobKind::Store,
+                kind: Direction::Store,
                 src: &ids.blocks,
                 dst: &ids.mixed,
                 block_index: 0,

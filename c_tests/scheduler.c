@@ -1181,12 +1181,17 @@ static void test_output_contracts(void) {
     kvo_status got = kvo_scheduler_on_alloc(s, 1, b.ids, b.n, 0, &has_job, &job);
     CHECK(got == KVO_STATUS_OK && has_job == 0 && job == 77);
 
-    /* complete_jobs: "KVO_STATUS_INVALID_ARGUMENT for a zero count"; a zero count for a job id
-     * from before a reset succeeds. */
+    /* complete_jobs: "KVO_STATUS_INVALID_ARGUMENT for a zero count or more reports than
+     * workers", also for a job id from before a reset (which is otherwise ignored). */
     CHECK_OK(kvo_scheduler_reset(s));
     const kvo_job_report stale_zero = {0, 0, 1};
-    got = kvo_scheduler_complete_jobs(s, &stale_zero, 1);
-    CHECK(got == KVO_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(kvo_scheduler_complete_jobs(s, &stale_zero, 1), KVO_STATUS_INVALID_ARGUMENT,
+                 "count");
+    const kvo_job_report stale_many = {0, 2, 1};
+    CHECK_STATUS(kvo_scheduler_complete_jobs(s, &stale_many, 1), KVO_STATUS_INVALID_ARGUMENT,
+                 "count");
+    const kvo_job_report stale_one = {0, 1, 1};
+    CHECK_OK(kvo_scheduler_complete_jobs(s, &stale_one, 1));
 
     check_invariants(s, __LINE__);
     kvo_step_free(fl);

@@ -123,6 +123,10 @@ enum kvo_status
    * A wait ran out of time before the jobs finished.
    */
   KVO_STATUS_TIMEOUT = 13,
+  /**
+   * Memory for the requested sizes could not be had (nothing was changed).
+   */
+  KVO_STATUS_OUT_OF_MEMORY = 14,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -249,7 +253,8 @@ typedef uint32_t kvo_defer_reason;
 #endif // __cplusplus
 
 /**
- * Directions of a job (`kvo_job_info.kind`).
+ * Direction of a job: `kvo_job_kind` in C (`kvo_job_info.kind`, `kvo_worker_submit_job`), the
+ * job kind of the wire format.
  */
 enum kvo_job_kind
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -659,7 +664,7 @@ typedef struct kvo_job_info {
    */
   uint32_t kind;
   /**
-   * GPU blocks copied.
+   * GPU blocks the job copies (`block_size_factor` of them fill one host slot).
    */
   uint32_t group_size;
   /**
@@ -824,7 +829,8 @@ KVO_NODISCARD kvo_status kvo_manager_config_default(struct kvo_manager_config *o
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `cfg` or `out` is NULL;
  * `KVO_STATUS_INVALID_ARGUMENT` for a `struct_size` too small, `key_len` outside 1..=64, an
- * unknown policy, `num_slots` too large, or `max_tracker_size` 0 with a store threshold.
+ * unknown policy, `num_slots` too large, or `max_tracker_size` 0 with a store threshold;
+ * `KVO_STATUS_OUT_OF_MEMORY` if the tier's index for `num_slots` cannot be allocated.
  *
  * # Safety
  * `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
@@ -1062,7 +1068,8 @@ KVO_NODISCARD kvo_status kvo_scheduler_config_default(struct kvo_scheduler_confi
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for a
  * `struct_size` too small, `key_len` outside 1..=64, a zero `gpu_block_size`,
- * `block_size_factor` or `num_workers`, an unknown policy, or a bad tier setting.
+ * `block_size_factor` or `num_workers`, an unknown policy, or a bad tier setting;
+ * `KVO_STATUS_OUT_OF_MEMORY` if the tier's index for `num_slots` cannot be allocated.
  *
  * # Safety
  * `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
@@ -1189,8 +1196,10 @@ kvo_status kvo_scheduler_build_step(struct kvo_scheduler *s,
  * must recompute). Reports of jobs from before a reset are ignored.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for a job id not in
- * flight; `KVO_STATUS_INVALID_ARGUMENT` for a zero count or more reports than workers. On failure
- * no report is applied.
+ * flight (a withdrawn load included); `KVO_STATUS_INVALID_STATE` for a load made by
+ * `kvo_scheduler_on_alloc` but not yet in a step; `KVO_STATUS_INVALID_ARGUMENT` for a zero count
+ * or more reports than workers (stale job ids from before a reset included). On failure no
+ * report is applied.
  *
  * # Safety
  * `s` is NULL or live; `reports` NULL or `n_reports` readable entries.
@@ -1413,7 +1422,8 @@ KVO_NODISCARD kvo_status kvo_worker_config_default(struct kvo_worker_config *out
  * config (struct_size, zero factor or slots, unknown backend), an empty, overlapping, misaligned
  * or zero-sized registration, device tensors with the host backend, or a host buffer too small;
  * `KVO_STATUS_CUDA_UNAVAILABLE` / `KVO_STATUS_CUDA_ERROR` for the CUDA backend without a
- * usable driver or device; `KVO_STATUS_IO_ERROR` if memory or threads cannot be had.
+ * usable driver or device; `KVO_STATUS_OUT_OF_MEMORY` if the host tier cannot be allocated;
+ * `KVO_STATUS_IO_ERROR` if page-locking or threads cannot be had.
  *
  * # Safety
  * `cfg` NULL or `cfg->struct_size` readable bytes; `tensors` NULL or `n_tensors` entries;

@@ -1,6 +1,6 @@
 //! Model-based tests of [`Manager`]: random operation sequences run on the real manager and on a
-//! deliberately naive reference model written straight from §3.2–3.5 of
-//! `shared/reference/vllm-offloading-behaviour.md` (vLLM 0.24 `CPUOffloadingManager`), plus the
+//! deliberately naive reference model written straight from vLLM 0.24's `CPUOffloadingManager`,
+//! `LRUCachePolicy` and `ARCCachePolicy` as `docs/design.md` §3 states them, plus the
 //! deviations documented in `src/manager/mod.rs`: a call that fails changes nothing (counters
 //! included), duplicate keys in one `prepare_store` are stored once (at their first index),
 //! "storage full" is `Error::NoRoom`, and the stats counters are cumulative.
@@ -209,7 +209,7 @@ impl Model {
         v
     }
 
-    // --- policy primitives (§3.3–3.5) ---
+    // --- policy primitives (`docs/design.md` §3.4, §3.5) ---
 
     fn policy_insert(&mut self, k: u64) {
         match self.policy {
@@ -339,7 +339,7 @@ impl Model {
         }
     }
 
-    // --- manager operations (§3.2); callers run fallible ones on a clone ---
+    // --- manager operations (`docs/design.md` §3.3); callers run fallible ones on a clone ---
 
     fn lookup(&mut self, k: u64) -> Lookup {
         if self.tracker_on() {
@@ -1084,7 +1084,7 @@ proptest! {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Deterministic ARC facts (§3.5) through the public API
+// Deterministic ARC facts (`docs/design.md` §3.5) through the public API
 // ---------------------------------------------------------------------------------------------
 
 fn arc(cap: usize) -> Manager {

@@ -6,7 +6,8 @@ Loads ``libkvoffload.so``, checks the ABI version, and declares ``argtypes`` and
 library's thread-local last-error message, read right away on the calling thread.
 
 Everything here mirrors the header one to one; ``python/tests/test_header_drift.py``
-checks that it stays so. The friendly API lives in ``kvoffload/__init__.py``.
+checks that it stays so. The friendly API is in the package: ``Manager`` in ``__init__.py``,
+``Scheduler`` and ``Step`` in ``_scheduler.py``, ``Worker`` in ``_worker.py``.
 """
 
 import ctypes
@@ -42,6 +43,7 @@ __all__ = [
     "PanicError",
     "InternalError",
     "KvoTimeoutError",
+    "KvoMemoryError",
     "lib",
     "lib_path",
     "last_error_message",
@@ -75,6 +77,7 @@ class Status(enum.IntEnum):
     PANIC = 11
     INTERNAL = 12
     TIMEOUT = 13
+    OUT_OF_MEMORY = 14
 
 
 class Policy(enum.IntEnum):
@@ -232,6 +235,11 @@ class KvoTimeoutError(KvoError):
     """
 
 
+class KvoMemoryError(KvoError, MemoryError):
+    """``KVO_STATUS_OUT_OF_MEMORY``: memory for the requested sizes could not be had; nothing
+    was changed. (Also a builtin ``MemoryError``.)"""
+
+
 _ERROR_CLASSES = {
     Status.NULL_ARGUMENT: NullArgumentError,
     Status.INVALID_ARGUMENT: InvalidArgumentError,
@@ -246,6 +254,7 @@ _ERROR_CLASSES = {
     Status.PANIC: PanicError,
     Status.INTERNAL: InternalError,
     Status.TIMEOUT: KvoTimeoutError,
+    Status.OUT_OF_MEMORY: KvoMemoryError,
 }
 
 

@@ -135,18 +135,21 @@ pub unsafe extern "C" fn kvo_manager_config_default(out: *mut kvo_manager_config
     guard(|| {
         non_null(out, "out")?;
         let d = ManagerConfig::default();
-        write(
-            out,
-            kvo_manager_config {
-                struct_size: size_of::<kvo_manager_config>(),
-                key_len: d.key_len as u32,
-                policy: kvo_policy::Lru as u32,
-                num_slots: d.num_slots as u64,
-                store_threshold: d.store_threshold,
-                enable_events: d.enable_events as u32,
-                max_tracker_size: d.max_tracker_size as u64,
-            },
-        );
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe {
+            write(
+                out,
+                kvo_manager_config {
+                    struct_size: size_of::<kvo_manager_config>(),
+                    key_len: d.key_len as u32,
+                    policy: kvo_policy::Lru as u32,
+                    num_slots: d.num_slots as u64,
+                    store_threshold: d.store_threshold,
+                    enable_events: d.enable_events as u32,
+                    max_tracker_size: d.max_tracker_size as u64,
+                },
+            )
+        };
         Ok(())
     })
 }
@@ -181,7 +184,8 @@ fn to_config(c: &kvo_manager_config) -> Result<ManagerConfig, Failure> {
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `cfg` or `out` is NULL;
 /// `KVO_STATUS_INVALID_ARGUMENT` for a `struct_size` too small, `key_len` outside 1..=64, an
-/// unknown policy, `num_slots` too large, or `max_tracker_size` 0 with a store threshold.
+/// unknown policy, `num_slots` too large, or `max_tracker_size` 0 with a store threshold;
+/// `KVO_STATUS_OUT_OF_MEMORY` if the tier's index for `num_slots` cannot be allocated.
 ///
 /// # Safety
 /// `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
@@ -195,13 +199,16 @@ pub unsafe extern "C" fn kvo_manager_new(
         // SAFETY: forwarded from the caller.
         let c = unsafe { read_config(cfg, "cfg") }?;
         non_null(out, "out")?;
-        let m = Manager::new(to_config(&c)?).map_err(|e| Failure::from(e).prefixed("cfg->"))?;
-        give(
-            out,
-            kvo_manager {
-                inner: Mutex::new(m),
-            },
-        );
+        let m = Manager::new(to_config(&c)?).map_err(Failure::of_config)?;
+        // SAFETY: `out`, checked non-NULL above, is writable (the contract).
+        unsafe {
+            give(
+                out,
+                kvo_manager {
+                    inner: Mutex::new(m),
+                },
+            )
+        };
         Ok(())
     })
 }

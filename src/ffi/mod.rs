@@ -64,6 +64,17 @@ impl Failure {
             message: format!("{prefix}{}", self.message),
         }
     }
+
+    /// A failure of a `kvo_*_new(cfg, ..)`: a bad field names it under `cfg->`; memory that
+    /// cannot be had is for the tier, whose size is `cfg->num_slots`.
+    pub(crate) fn of_config(e: Error) -> Self {
+        let prefix = match e {
+            Error::InvalidArgument(_) => "cfg->",
+            Error::OutOfMemory(_) => "cfg->num_slots: ",
+            _ => "",
+        };
+        Self::from(e).prefixed(prefix)
+    }
 }
 
 impl From<Error> for Failure {
@@ -170,15 +181,23 @@ pub(crate) unsafe fn slice_mut<'a, T>(
     Ok(unsafe { std::slice::from_raw_parts_mut(p, n) })
 }
 
-/// Writes `v` through an out-pointer checked earlier.
-pub(crate) fn write<T>(p: *mut T, v: T) {
-    // SAFETY: every caller checked `p` for NULL before doing any work.
+/// Writes `v` through an out-pointer.
+///
+/// # Safety
+/// `p` is non-NULL (checked by the caller before doing any work), aligned and writable: the
+/// export's contract.
+pub(crate) unsafe fn write<T>(p: *mut T, v: T) {
+    // SAFETY: the caller's contract.
     unsafe { p.write(v) }
 }
 
-/// Hands a new handle owning `value` to the caller through `out` (checked earlier).
-pub(crate) fn give<T>(out: *mut *mut T, value: T) {
-    write(out, Box::into_raw(Box::new(value)));
+/// Hands a new handle owning `value` to the caller through `out`.
+///
+/// # Safety
+/// As [`write`] for `out`.
+pub(crate) unsafe fn give<T>(out: *mut *mut T, value: T) {
+    // SAFETY: the caller's contract.
+    unsafe { write(out, Box::into_raw(Box::new(value))) };
 }
 
 /// Frees a handle made by [`give`]; NULL is ignored.
@@ -267,8 +286,10 @@ pub(crate) unsafe fn copy_events(
     non_null(out_n_keys, "out_n_keys")?;
     let (ne, nk) = (log.len(), log.num_keys());
     if events_cap < ne || keys_cap < nk {
-        write(out_n_events, ne);
-        write(out_n_keys, nk);
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_n_events, ne) };
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_n_keys, nk) };
         let which = if events_cap < ne {
             "events_cap"
         } else {
@@ -295,8 +316,10 @@ pub(crate) unsafe fn copy_events(
         };
         first += n;
     }
-    write(out_n_events, ne);
-    write(out_n_keys, nk);
+    // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+    unsafe { write(out_n_events, ne) };
+    // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+    unsafe { write(out_n_keys, nk) };
     Ok(())
 }
 

@@ -186,22 +186,25 @@ pub unsafe extern "C" fn kvo_scheduler_config_default(
     guard(|| {
         non_null(out, "out")?;
         let d = SchedulerConfig::default();
-        write(
-            out,
-            kvo_scheduler_config {
-                struct_size: size_of::<kvo_scheduler_config>(),
-                key_len: d.key_len as u32,
-                gpu_block_size: d.gpu_block_size,
-                block_size_factor: d.block_size_factor,
-                policy: 0,
-                num_slots: d.num_slots as u64,
-                num_workers: d.num_workers,
-                offload_prompt_only: d.offload_prompt_only as u32,
-                store_threshold: d.store_threshold,
-                enable_events: d.enable_events as u32,
-                max_tracker_size: d.max_tracker_size as u64,
-            },
-        );
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe {
+            write(
+                out,
+                kvo_scheduler_config {
+                    struct_size: size_of::<kvo_scheduler_config>(),
+                    key_len: d.key_len as u32,
+                    gpu_block_size: d.gpu_block_size,
+                    block_size_factor: d.block_size_factor,
+                    policy: 0,
+                    num_slots: d.num_slots as u64,
+                    num_workers: d.num_workers,
+                    offload_prompt_only: d.offload_prompt_only as u32,
+                    store_threshold: d.store_threshold,
+                    enable_events: d.enable_events as u32,
+                    max_tracker_size: d.max_tracker_size as u64,
+                },
+            )
+        };
         Ok(())
     })
 }
@@ -229,7 +232,8 @@ fn to_config(c: &kvo_scheduler_config) -> Result<SchedulerConfig, Failure> {
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for a
 /// `struct_size` too small, `key_len` outside 1..=64, a zero `gpu_block_size`,
-/// `block_size_factor` or `num_workers`, an unknown policy, or a bad tier setting.
+/// `block_size_factor` or `num_workers`, an unknown policy, or a bad tier setting;
+/// `KVO_STATUS_OUT_OF_MEMORY` if the tier's index for `num_slots` cannot be allocated.
 ///
 /// # Safety
 /// `cfg` is NULL or points to `cfg->struct_size` readable bytes; `out` is NULL or writable.
@@ -243,13 +247,16 @@ pub unsafe extern "C" fn kvo_scheduler_new(
         // SAFETY: forwarded from the caller.
         let c = unsafe { read_config(cfg, "cfg") }?;
         non_null(out, "out")?;
-        let s = Scheduler::new(to_config(&c)?).map_err(|e| Failure::from(e).prefixed("cfg->"))?;
-        give(
-            out,
-            kvo_scheduler {
-                inner: Mutex::new(s),
-            },
-        );
+        let s = Scheduler::new(to_config(&c)?).map_err(Failure::of_config)?;
+        // SAFETY: `out`, checked non-NULL above, is writable (the contract).
+        unsafe {
+            give(
+                out,
+                kvo_scheduler {
+                    inner: Mutex::new(s),
+                },
+            )
+        };
         Ok(())
     })
 }
@@ -359,14 +366,17 @@ pub unsafe extern "C" fn kvo_scheduler_match(
                 0,
             ),
         };
-        write(
-            out,
-            kvo_match_result {
-                kind: kind as u32,
-                defer_reason: reason as u32,
-                tokens,
-            },
-        );
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe {
+            write(
+                out,
+                kvo_match_result {
+                    kind: kind as u32,
+                    defer_reason: reason as u32,
+                    tokens,
+                },
+            )
+        };
         Ok(())
     })
 }
@@ -405,9 +415,11 @@ pub unsafe extern "C" fn kvo_scheduler_on_alloc(
         let job = unsafe { sched(s) }?
             .get()?
             .on_alloc(request_id, ids, num_external_tokens)?;
-        write(out_has_job, job.is_some() as u32);
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_has_job, job.is_some() as u32) };
         if let Some(j) = job {
-            write(out_job_id, j);
+            // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+            unsafe { write(out_job_id, j) };
         }
         Ok(())
     })
@@ -474,8 +486,10 @@ pub unsafe extern "C" fn kvo_scheduler_build_step(
 /// must recompute). Reports of jobs from before a reset are ignored.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for a job id not in
-/// flight; `KVO_STATUS_INVALID_ARGUMENT` for a zero count or more reports than workers. On failure
-/// no report is applied.
+/// flight (a withdrawn load included); `KVO_STATUS_INVALID_STATE` for a load made by
+/// `kvo_scheduler_on_alloc` but not yet in a step; `KVO_STATUS_INVALID_ARGUMENT` for a zero count
+/// or more reports than workers (stale job ids from before a reset included). On failure no
+/// report is applied.
 ///
 /// # Safety
 /// `s` is NULL or live; `reports` NULL or `n_reports` readable entries.
@@ -547,10 +561,13 @@ pub unsafe extern "C" fn kvo_scheduler_load_failure(
         non_null(out_to_token, "out_to_token")?;
         // SAFETY: forwarded from the caller.
         let f = unsafe { sched(s) }?.get()?.load_failure(request_id)?;
-        write(out_failed, f.is_some() as u32);
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_failed, f.is_some() as u32) };
         if let Some(r) = f {
-            write(out_from_token, r.from_token);
-            write(out_to_token, r.to_token);
+            // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+            unsafe { write(out_from_token, r.from_token) };
+            // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+            unsafe { write(out_to_token, r.to_token) };
         }
         Ok(())
     })

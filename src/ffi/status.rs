@@ -35,6 +35,8 @@ pub enum kvo_status {
     Internal = 12,
     /// A wait ran out of time before the jobs finished.
     Timeout = 13,
+    /// Memory for the requested sizes could not be had (nothing was changed).
+    OutOfMemory = 14,
 }
 
 impl From<&Error> for kvo_status {
@@ -48,7 +50,8 @@ impl From<&Error> for kvo_status {
             Error::CorruptData(_) => Self::CorruptData,
             Error::CudaUnavailable(_) => Self::CudaUnavailable,
             Error::Cuda(_) => Self::CudaError,
-            Error::Io(_) | Error::OutOfMemory(_) => Self::IoError,
+            Error::Io(_) => Self::IoError,
+            Error::OutOfMemory(_) => Self::OutOfMemory,
             Error::Timeout(_) => Self::Timeout,
             Error::Internal(_) => Self::Internal,
         }

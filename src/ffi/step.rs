@@ -3,22 +3,15 @@
 use super::{
     Failure, free_handle, give, guard, handle, kvo_status, lock, non_null, slice, slice_mut, write,
 };
-use crate::scheduler::{JobKind, Step};
+use crate::plan::Step;
 use std::sync::{Mutex, MutexGuard};
 
 /// Version of the encoding written by `kvo_step_encode`; `kvo_step_decode` rejects others.
 pub const KVO_STEP_FORMAT_VERSION: u16 = 1;
-const _: () = assert!(KVO_STEP_FORMAT_VERSION == crate::scheduler::FORMAT_VERSION);
+const _: () = assert!(KVO_STEP_FORMAT_VERSION == crate::plan::FORMAT_VERSION);
 
-/// Directions of a job (`kvo_job_info.kind`).
-#[repr(u32)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum kvo_job_kind {
-    /// Host slots → GPU blocks.
-    Load = 0,
-    /// GPU blocks → host slots.
-    Store = 1,
-}
+/// The step plan's [`crate::plan::Direction`], named for C (cbindgen renames it).
+pub use crate::plan::Direction as kvo_job_kind;
 
 /// A step plan: filled by `kvo_scheduler_build_step` or `kvo_step_decode`. Opaque.
 pub struct kvo_step {
@@ -65,7 +58,7 @@ pub struct kvo_job_info {
     pub request_id: u64,
     /// A `kvo_job_kind` value.
     pub kind: u32,
-    /// GPU blocks copied.
+    /// GPU blocks the job copies (`block_size_factor` of them fill one host slot).
     pub group_size: u32,
     /// Logical index within the request of the first GPU block copied; for loads
     /// `block_index % block_size_factor` leading GPU blocks of the first host slot are skipped.
@@ -91,12 +84,15 @@ const STEP: &str = "step";
 pub unsafe extern "C" fn kvo_step_new(out: *mut *mut kvo_step) -> kvo_status {
     guard(|| {
         non_null(out, "out")?;
-        give(
-            out,
-            kvo_step {
-                inner: Mutex::new(StepState::default()),
-            },
-        );
+        // SAFETY: `out`, checked non-NULL above, is writable (the contract).
+        unsafe {
+            give(
+                out,
+                kvo_step {
+                    inner: Mutex::new(StepState::default()),
+                },
+            )
+        };
         Ok(())
     })
 }
@@ -133,7 +129,8 @@ pub unsafe extern "C" fn kvo_step_get_info(
             block_size_factor: s.block_size_factor,
             reserved: 0,
         })?;
-        write(out, info);
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out, info) };
         Ok(())
     })
 }
@@ -166,18 +163,16 @@ pub unsafe extern "C" fn kvo_step_get_job(
             Ok::<_, Failure>(kvo_job_info {
                 id: j.id,
                 request_id: j.request_id,
-                kind: match j.kind {
-                    JobKind::Load => kvo_job_kind::Load,
-                    JobKind::Store => kvo_job_kind::Store,
-                } as u32,
-                group_size: j.group_size,
+                kind: j.kind as u32,
+                group_size: j.num_gpu_blocks,
                 block_index: j.block_index,
                 reserved: 0,
                 n_src: s.src(j).len(),
                 n_dst: s.dst(j).len(),
             })
         })??;
-        write(out, info);
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out, info) };
         Ok(())
     })
 }
@@ -256,7 +251,8 @@ pub unsafe extern "C" fn kvo_step_get_flush(
         h.with_step(|s| {
             let ids = s.flush();
             if cap < ids.len() {
-                write(out_n, ids.len());
+                // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+                unsafe { write(out_n, ids.len()) };
                 return Err(Failure::new(
                     kvo_status::BufferTooSmall,
                     format!("cap: {cap}, {} needed", ids.len()),
@@ -264,7 +260,8 @@ pub unsafe extern "C" fn kvo_step_get_flush(
             }
             // SAFETY: forwarded from the caller.
             unsafe { slice_mut(out_ids, ids.len(), "out_ids") }?.copy_from_slice(ids);
-            write(out_n, ids.len());
+            // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+            unsafe { write(out_n, ids.len()) };
             Ok(())
         })?
     })
@@ -294,7 +291,8 @@ pub unsafe extern "C" fn kvo_step_encode(
         let StepState { step, encoded } = &mut *st;
         step.encode(encoded);
         if cap < encoded.len() {
-            write(out_len, encoded.len());
+            // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+            unsafe { write(out_len, encoded.len()) };
             return Err(Failure::new(
                 kvo_status::BufferTooSmall,
                 format!("cap: {cap}, {} needed", encoded.len()),
@@ -302,7 +300,8 @@ pub unsafe extern "C" fn kvo_step_encode(
         }
         // SAFETY: forwarded from the caller.
         unsafe { slice_mut(buf, encoded.len(), "buf") }?.copy_from_slice(encoded);
-        write(out_len, encoded.len());
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_len, encoded.len()) };
         Ok(())
     })
 }

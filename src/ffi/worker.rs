@@ -4,7 +4,7 @@ use super::{
     Failure, copy_c_string, free_handle, give, guard, handle, kvo_status, kvo_step, lock, non_null,
     read_config, slice, slice_mut, write,
 };
-use crate::scheduler::JobKind;
+use crate::plan::Direction;
 use crate::transfer::{BackendKind, Completion, JobBlocks, KvTensor, Worker, WorkerConfig};
 use std::collections::VecDeque;
 use std::ffi::{c_char, c_void};
@@ -130,18 +130,21 @@ pub unsafe extern "C" fn kvo_worker_config_default(out: *mut kvo_worker_config) 
     guard(|| {
         non_null(out, "out")?;
         let d = WorkerConfig::default();
-        write(
-            out,
-            kvo_worker_config {
-                struct_size: size_of::<kvo_worker_config>(),
-                block_size_factor: d.block_size_factor,
-                num_host_slots: d.num_host_slots,
-                threads: d.threads as u32,
-                backend: kvo_backend::Host as u32,
-                device: 0,
-                reserved: 0,
-            },
-        );
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe {
+            write(
+                out,
+                kvo_worker_config {
+                    struct_size: size_of::<kvo_worker_config>(),
+                    block_size_factor: d.block_size_factor,
+                    num_host_slots: d.num_host_slots,
+                    threads: d.threads as u32,
+                    backend: kvo_backend::Host as u32,
+                    device: 0,
+                    reserved: 0,
+                },
+            )
+        };
         Ok(())
     })
 }
@@ -154,7 +157,8 @@ pub unsafe extern "C" fn kvo_worker_config_default(out: *mut kvo_worker_config) 
 /// config (struct_size, zero factor or slots, unknown backend), an empty, overlapping, misaligned
 /// or zero-sized registration, device tensors with the host backend, or a host buffer too small;
 /// `KVO_STATUS_CUDA_UNAVAILABLE` / `KVO_STATUS_CUDA_ERROR` for the CUDA backend without a
-/// usable driver or device; `KVO_STATUS_IO_ERROR` if memory or threads cannot be had.
+/// usable driver or device; `KVO_STATUS_OUT_OF_MEMORY` if the host tier cannot be allocated;
+/// `KVO_STATUS_IO_ERROR` if page-locking or threads cannot be had.
 ///
 /// # Safety
 /// `cfg` NULL or `cfg->struct_size` readable bytes; `tensors` NULL or `n_tensors` entries;
@@ -212,12 +216,15 @@ pub unsafe extern "C" fn kvo_worker_new(
             errors: VecDeque::new(),
             scratch: Vec::new(),
         };
-        give(
-            out,
-            kvo_worker {
-                inner: Mutex::new(state),
-            },
-        );
+        // SAFETY: `out`, checked non-NULL above, is writable (the contract).
+        unsafe {
+            give(
+                out,
+                kvo_worker {
+                    inner: Mutex::new(state),
+                },
+            )
+        };
         Ok(())
     })
 }
@@ -259,11 +266,8 @@ pub unsafe extern "C" fn kvo_worker_submit_job(
     compute_stream: u64,
 ) -> kvo_status {
     guard(|| {
-        let kind = match kind {
-            0 => JobKind::Load,
-            1 => JobKind::Store,
-            k => return Err(Failure::invalid(format!("kind: {k} is not a kvo_job_kind"))),
-        };
+        let kind = Direction::from_u32(kind)
+            .ok_or_else(|| Failure::invalid(format!("kind: {kind} is not a kvo_job_kind")))?;
         // SAFETY: forwarded from the caller.
         let src = unsafe { slice(src, n_src, "src") }?;
         // SAFETY: forwarded from the caller.
@@ -358,7 +362,8 @@ pub unsafe extern "C" fn kvo_worker_poll(
                 st.errors.push_back((c.job_id, e));
             }
         }
-        write(out_n, n);
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_n, n) };
         Ok(())
     })
 }
@@ -399,7 +404,8 @@ pub unsafe extern "C" fn kvo_worker_job_error(
         // SAFETY: forwarded from the caller.
         let out = unsafe { slice_mut(buf as *mut u8, len, "buf") }?;
         copy_c_string(msg, out);
-        write(out_len, msg.len());
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_len, msg.len()) };
         Ok(())
     })
 }
@@ -494,8 +500,10 @@ pub unsafe extern "C" fn kvo_worker_get_host_buffer(
         // SAFETY: forwarded from the caller.
         let st = unsafe { worker(w) }?.get()?;
         let (p, len) = st.worker.host_buffer(tensor as usize)?;
-        write(out_ptr, p as *mut c_void);
-        write(out_len, len);
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_ptr, p as *mut c_void) };
+        // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
+        unsafe { write(out_len, len) };
         Ok(())
     })
 }

@@ -1,6 +1,6 @@
 //! In-flight transfer jobs and their completion reports.
 
-use super::step::JobKind;
+use crate::plan::Direction;
 
 /// One completion report: `count` workers finished `job_id`, all successfully or not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,7 +17,7 @@ pub struct JobReport {
 #[derive(Debug, Clone)]
 pub(crate) struct Job {
     pub request_id: u64,
-    pub kind: JobKind,
+    pub kind: Direction,
     /// Reports still expected (starts at `num_workers`).
     pub pending: u32,
     pub failed: bool,

@@ -1,7 +1,9 @@
-//! Scheduler scenarios of reference §5.4 and §8.2 (one full-attention group), in our own words.
+//! Scheduler scenarios (one full-attention group): vLLM 0.24's connector scheduler tests in our
+//! own words, and the races of `docs/design.md`.
 
 use super::*;
 use crate::manager::Lookup;
+use crate::manager::Policy;
 
 const GBS: u64 = 4;
 const F: u64 = 3;
@@ -104,7 +106,7 @@ impl T {
         self.check();
     }
 
-    fn jobs(&self, kind: JobKind) -> Vec<(u64, u64, Vec<u32>, Vec<u32>)> {
+    fn jobs(&self, kind: Direction) -> Vec<(u64, u64, Vec<u32>, Vec<u32>)> {
         let st = &self.step;
         st.jobs()
             .iter()
@@ -153,11 +155,11 @@ fn store_schedule_complete_chunks_only_in_order() {
     // A chunk missing one token is not stored.
     let b = blocks(10, 15);
     assert!(t.step(&[sched(1, 0, 11, 20, &b)], &[]).jobs().is_empty());
-    let stores = t.jobs(JobKind::Store);
+    let stores = t.jobs(Direction::Store);
     assert!(stores.is_empty());
     // Its last token computed: GPU blocks 10, 11, 12 go to slot 0.
     t.step(&[sched(1, 11, 9, 20, &[])], &[]);
-    let stores = t.jobs(JobKind::Store);
+    let stores = t.jobs(Direction::Store);
     assert_eq!(stores.len(), 1);
     assert_eq!(
         (stores[0].2.clone(), stores[0].3.clone()),
@@ -171,7 +173,7 @@ fn store_schedule_complete_chunks_only_in_order() {
     t.grow(1, 1, 20, 40);
     let b = blocks(15, 20);
     t.step(&[sched(1, 20, 20, 40, &b)], &[]);
-    let stores = t.jobs(JobKind::Store);
+    let stores = t.jobs(Direction::Store);
     assert_eq!(
         (stores[0].2.clone(), stores[0].3.clone()),
         (vec![13, 14, 15, 16, 17, 18], vec![1, 2])
@@ -216,7 +218,7 @@ fn race(sync: bool) {
     t.s.on_alloc(1, &blocks(0, 9), 0).unwrap();
     let b = blocks(0, 9);
     t.step(&[sched(1, 0, 36, 36, &b)], &[]);
-    let p: Vec<u64> = t.jobs(JobKind::Store).iter().map(|j| j.0).collect();
+    let p: Vec<u64> = t.jobs(Direction::Store).iter().map(|j| j.0).collect();
     assert_eq!(p.len(), 1);
     // Q shares R's prefix and stores chunk 3 (chunks 0..3 are R's, in flight, so filtered).
     t.add(2, 7, 48);
@@ -224,7 +226,7 @@ fn race(sync: bool) {
     t.s.on_alloc(2, &blocks(20, 32), 0).unwrap();
     let b = blocks(20, 32);
     t.step(&[sched(2, 36, 12, 48, &b)], &[]);
-    let q = t.jobs(JobKind::Store);
+    let q = t.jobs(Direction::Store);
     assert_eq!(q[0].2, vec![29, 30, 31]);
     t.complete(&[q[0].0], true);
     assert_eq!(t.lookup(&key(7, 3)), Lookup::Hit);
@@ -232,7 +234,7 @@ fn race(sync: bool) {
     t.grow(1, 7, 36, 48);
     let b = blocks(9, 12);
     t.step(&[sched(1, 36, 12, 48, &b)], &[]);
-    assert!(t.jobs(JobKind::Store).is_empty());
+    assert!(t.jobs(Direction::Store).is_empty());
     let flush = t.step(&[], &[1]).flush().to_vec();
     assert_eq!(flush, p, "preemption flushes R's stores");
     assert_eq!(t.s.requests[&1].jobs, p, "without clearing them");
@@ -562,7 +564,7 @@ fn max_offload_tokens_and_prompt_only_limit_stores() {
         t.matched(1, 0);
         let b = blocks(0, 9);
         t.step(&[sched(1, 0, 36, 36, &b)], &[]);
-        let stored: usize = t.jobs(JobKind::Store).iter().map(|j| j.3.len()).sum();
+        let stored: usize = t.jobs(Direction::Store).iter().map(|j| j.3.len()).sum();
         assert_eq!(
             stored, expect_chunks,
             "cap {cap:?}, prompt only {prompt_only}"
@@ -610,7 +612,7 @@ fn partial_first_chunk_after_gpu_hit() {
     let job = t.s.on_alloc(2, &b, 32).unwrap().unwrap();
     let st = t.step(&[], &[]);
     let j = st.jobs()[0];
-    assert_eq!((j.id, j.block_index, j.group_size), (job, 1, 8));
+    assert_eq!((j.id, j.block_index, j.num_gpu_blocks), (job, 1, 8));
     assert_eq!((st.src(&j), st.dst(&j)), (&[0u32, 1, 2][..], &b[1..9]));
 }
 
@@ -903,4 +905,36 @@ fn allocation_without_tokens_consumes_the_hit() {
         t.s.on_alloc(2, &blocks(10, 16), 24),
         Err(Error::InvalidState(_))
     ));
+}
+
+/// A `build_step` that fails (here: its last scheduled request is unknown, or a preempted one
+/// is) changes nothing: the loads made since the last step and the owed flushes are still in
+/// the next step, and no store was made.
+#[test]
+fn failed_build_step_keeps_pending_loads_and_flushes() {
+    let (mut t, store) = finished_with_pending_store();
+    let s2 = t.prefill(2, 4, 12, 20);
+    t.complete(&[s2], true);
+    t.add(3, 4, 13);
+    assert_eq!(t.matched(3, 0), Match::Hit(12));
+    let load = t.s.on_alloc(3, &[1, 30, 31, 32], 12).unwrap().unwrap();
+    t.add(4, 9, 12);
+    let b4 = blocks(40, 43);
+    let before = t.s.stats();
+    let bad = t.s.build_step(
+        &[sched(4, 0, 12, 12, &b4), sched(99, 0, 4, 4, &[])],
+        &[],
+        &mut t.step,
+    );
+    assert!(matches!(bad, Err(Error::NotFound(_))), "{bad:?}");
+    let bad =
+        t.s.build_step(&[sched(4, 0, 12, 12, &b4)], &[77], &mut t.step);
+    assert!(matches!(bad, Err(Error::NotFound(_))), "{bad:?}");
+    assert_eq!(t.s.stats(), before);
+    t.check();
+    let st = t.step(&[sched(4, 0, 12, 12, &b4)], &[]);
+    let kinds: Vec<_> = st.jobs().iter().map(|j| (j.id, j.kind)).collect();
+    assert_eq!(kinds[0], (load, Direction::Load));
+    assert_eq!(kinds.len(), 2, "the load and request 4's store");
+    assert_eq!(st.flush(), &[store], "block 1 was reallocated to request 3");
 }

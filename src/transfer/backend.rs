@@ -3,16 +3,8 @@
 //! threads) and [`super::cuda::CudaBackend`] (CUDA driver, streams and events).
 
 use crate::error::Result;
+use crate::plan::Direction;
 use std::time::Duration;
-
-/// Direction of a copy job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Direction {
-    /// Host tier → registered KV tensors (a load).
-    ToKv,
-    /// Registered KV tensors → host tier (a store).
-    ToHost,
-}
 
 /// One copy: `size` bytes from address `src` to address `dst`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

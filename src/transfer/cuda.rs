@@ -9,10 +9,11 @@
 //! all become [`Error::CudaUnavailable`]; nothing here panics on a machine without a GPU.
 //! `cudarc` still provides the handle types and the struct layouts (`CUmemcpyAttributes`).
 //!
-//! Copies (reference §6.5–6.6):
+//! Copies (as vLLM 0.24 `SingleDirectionOffloadingHandler` and `swap_blocks_batch`;
+//! `docs/design.md` §8):
 //! - one non-blocking stream per direction; stream order runs the jobs of one direction strictly
 //!   in submission order, and the two directions overlap;
-//! - a store (`Direction::ToHost`) given a compute stream first makes its stream wait for an
+//! - a store (`Direction::Store`) given a compute stream first makes its stream wait for an
 //!   event recorded on the compute stream, so it reads only KV the forward pass already wrote;
 //! - each job is `record(start); copies; record(end)`, with timing events taken from a pool;
 //! - the copies are one `cuMemcpyBatchAsync` (CUDA 12.8 signature, one attribute for all copies:
@@ -25,8 +26,9 @@
 //! thread's previous context afterwards, so the methods may be called from any thread and do not
 //! disturb a host that uses another context.
 
-use super::backend::{Backend, Completion, CopyDesc, Direction};
+use super::backend::{Backend, Completion, CopyDesc};
 use crate::error::{Error, Result};
+use crate::plan::Direction;
 use cudarc::driver::sys;
 use std::collections::VecDeque;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
@@ -334,12 +336,12 @@ struct InFlight {
 
 fn index(dir: Direction) -> usize {
     match dir {
-        Direction::ToKv => 0,
-        Direction::ToHost => 1,
+        Direction::Load => 0,
+        Direction::Store => 1,
     }
 }
 
-const DIRECTIONS: [Direction; 2] = [Direction::ToKv, Direction::ToHost];
+const DIRECTIONS: [Direction; 2] = [Direction::Load, Direction::Store];
 
 /// Copies with the CUDA driver on one device: one stream and one FIFO of jobs per direction.
 ///
@@ -513,7 +515,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let api = self.api;
         let stream = self.streams[index(dir)];
-        if dir == Direction::ToHost && compute_stream != 0 {
+        if dir == Direction::Store && compute_stream != 0 {
             let compute: sys::CUstream =
                 std::ptr::with_exposed_provenance_mut(compute_stream as usize);
             self.record(self.compute_done, compute)?;
@@ -592,13 +594,13 @@ impl CudaBackend {
         };
         let (order, src_hint, dst_hint) = match dir {
             // The host tier's source is never written while a load reads it: any order.
-            Direction::ToKv => (
+            Direction::Load => (
                 sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_ANY,
                 host,
                 device,
             ),
             // The KV source is written by stream-ordered work: respect stream order.
-            Direction::ToHost => (
+            Direction::Store => (
                 sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
                 device,
                 host,

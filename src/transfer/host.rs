@@ -1,8 +1,9 @@
 //! Host backend: executes copy descriptors with `memcpy` on worker threads, one FIFO lane per
 //! direction; a large job is split across several threads.
 
-use super::backend::{Backend, Completion, CopyDesc, Direction};
+use super::backend::{Backend, Completion, CopyDesc};
 use crate::error::{Error, Result};
+use crate::plan::Direction;
 use hashbrown::HashSet;
 use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -80,7 +81,7 @@ impl HostBackend {
     }
 
     fn lane(&self, dir: Direction) -> &Lane {
-        &self.lanes[(dir == Direction::ToHost) as usize]
+        &self.lanes[(dir == Direction::Store) as usize]
     }
 }
 

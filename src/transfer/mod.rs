@@ -3,15 +3,15 @@
 //! direction). Knows nothing about prefixes or eviction.
 
 pub mod backend;
+pub mod copy_plan;
 pub mod cuda;
 pub mod host;
 pub mod layout;
-pub mod plan;
 pub mod worker;
 
-pub use backend::{Backend, Completion, CopyDesc, Direction};
+pub use backend::{Backend, Completion, CopyDesc};
+pub use copy_plan::JobBlocks;
 pub use layout::KvTensor;
-pub use plan::JobBlocks;
 pub use worker::{BackendKind, Worker, WorkerConfig};
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::Error;
-use crate::scheduler::{JobKind, Step};
+use crate::plan::{Direction, Step};
 use std::time::Duration;
 
 /// A fake "GPU" tensor in host memory: `blocks` blocks of `page` bytes, `stride` apart, filled
@@ -106,7 +106,7 @@ fn store_then_load_round_trips_byte_exact() {
             let slots: Vec<u32> = (0..slots_needed).map(|i| 15 - i).collect();
             let (a0, b0) = (a.snapshot(), b.snapshot());
             let store = JobBlocks {
-                kind: JobKind::Store,
+                kind: Direction::Store,
                 src: &gpu,
                 dst: &slots,
                 block_index: skip,
@@ -157,7 +157,7 @@ fn store_then_load_round_trips_byte_exact() {
             }
             let targets: Vec<u32> = (0..n).map(|i| 39 - 2 * i).collect();
             let load = JobBlocks {
-                kind: JobKind::Load,
+                kind: Direction::Load,
                 src: &slots,
                 dst: &targets,
                 block_index: skip,
@@ -189,7 +189,7 @@ fn plans_merge_contiguous_runs() {
     let w = worker(2, 8, &[&a]);
     let mut out = Vec::new();
     let job = JobBlocks {
-        kind: JobKind::Store,
+        kind: Direction::Store,
         src: &[4, 5, 6, 7, 9],
         dst: &[2, 3, 5],
         block_index: 0,
@@ -209,7 +209,7 @@ fn fifo_completion_per_direction_and_large_split_jobs() {
     let all: Vec<u32> = (0..64).collect();
     for id in 0..6u64 {
         let job = JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src: &all,
             dst: &all,
             block_index: 0,
@@ -235,7 +235,7 @@ fn bad_jobs_fail_and_nothing_crashes() {
     w.submit(
         1,
         &JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src: &[8],
             dst: &[0],
             block_index: 0,
@@ -246,7 +246,7 @@ fn bad_jobs_fail_and_nothing_crashes() {
     w.submit(
         2,
         &JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src: &[0],
             dst: &[4],
             block_index: 0,
@@ -257,7 +257,7 @@ fn bad_jobs_fail_and_nothing_crashes() {
     w.submit(
         3,
         &JobBlocks {
-            kind: JobKind::Load,
+            kind: Direction::Load,
             src: &[0, 1],
             dst: &[0],
             block_index: 0,
@@ -269,7 +269,7 @@ fn bad_jobs_fail_and_nothing_crashes() {
         w.submit(
             3,
             &JobBlocks {
-                kind: JobKind::Load,
+                kind: Direction::Load,
                 src: &[0],
                 dst: &[0],
                 block_index: 0
@@ -293,7 +293,7 @@ fn bad_jobs_fail_and_nothing_crashes() {
         w.submit(
             9,
             &JobBlocks {
-                kind: JobKind::Store,
+                kind: Direction::Store,
                 src: &[0],
                 dst: &[0],
                 block_index: 0
@@ -401,7 +401,7 @@ fn caller_host_memory_and_swap_blocks() {
     w.submit(
         1,
         &JobBlocks {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             src: &[3],
             dst: &[2],
             block_index: 0,
@@ -484,7 +484,7 @@ fn ids_stay_in_use_until_handed_out_and_poll_respects_max() {
     let a = Mem::new(1, 8, 64, 64);
     let mut w = worker(1, 8, &[&a]);
     let job = JobBlocks {
-        kind: JobKind::Store,
+        kind: Direction::Store,
         src: &[1],
         dst: &[1],
         block_index: 0,

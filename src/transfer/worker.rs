@@ -2,12 +2,12 @@
 //! step plan), reports completions by polling, and waits for listed jobs (the flush before a
 //! forward pass).
 
-use super::backend::{Backend, Completion, CopyDesc, Direction};
+use super::backend::{Backend, Completion, CopyDesc};
+use super::copy_plan::{JobBlocks, plan_job, push_merged};
 use super::host::HostBackend;
 use super::layout::{self, HostBuffer, KvTensor};
-use super::plan::{JobBlocks, plan_job, push_merged};
 use crate::error::{Error, Result, invalid};
-use crate::scheduler::{JobKind, Step};
+use crate::plan::{Direction, Step};
 use hashbrown::HashSet;
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -174,15 +174,10 @@ impl Worker {
             self.cfg.num_host_slots,
             &mut self.descs,
         );
-        let dir = if job.kind == JobKind::Load {
-            Direction::ToKv
-        } else {
-            Direction::ToHost
-        };
         self.known.insert(job_id);
         let submitted = planned.and_then(|bytes| {
             self.backend
-                .submit(job_id, dir, &self.descs, compute_stream)
+                .submit(job_id, job.kind, &self.descs, compute_stream)
                 .map(|_| bytes)
         });
         if let Err(e) = submitted {
@@ -352,9 +347,9 @@ impl Worker {
             );
         }
         let dir = if d.on_device {
-            Direction::ToKv
+            Direction::Load
         } else {
-            Direction::ToHost
+            Direction::Store
         };
         self.backend.submit(id, dir, &self.descs, 0)?;
         self.known.insert(id);

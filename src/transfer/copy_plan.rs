@@ -1,16 +1,17 @@
-//! Copy plans: the (src, dst, size) descriptors of one job, as reference §6.5 step 2, with runs
+//! Copy plans: the (src, dst, size) descriptors of one job, as vLLM 0.24
+//! `SingleDirectionOffloadingHandler.transfer_async` builds them (`docs/design.md` §7), with runs
 //! of blocks that are contiguous on both sides merged into one descriptor.
 
 use super::backend::CopyDesc;
 use super::layout::{HostBuffer, KvTensor};
 use crate::error::{Result, invalid};
-use crate::scheduler::JobKind;
+use crate::plan::Direction;
 
 /// A job to plan: block ids on both sides, in the scheduler's step format.
 #[derive(Debug, Clone, Copy)]
 pub struct JobBlocks<'a> {
     /// Load (host → KV) or store (KV → host).
-    pub kind: JobKind,
+    pub kind: Direction,
     /// Source ids: host slots for a load, KV blocks for a store.
     pub src: &'a [u32],
     /// Destination ids: KV blocks for a load, host slots for a store.
@@ -30,8 +31,8 @@ pub fn plan_job(
     out: &mut Vec<CopyDesc>,
 ) -> Result<u64> {
     let (kv_ids, slots) = match job.kind {
-        JobKind::Store => (job.src, job.dst),
-        JobKind::Load => (job.dst, job.src),
+        Direction::Store => (job.src, job.dst),
+        Direction::Load => (job.dst, job.src),
     };
     let n = kv_ids.len();
     let skip = (job.block_index % factor) as usize;
@@ -57,8 +58,8 @@ pub fn plan_job(
             let k = skip + i;
             let slot_addr = h.sub_block(slots[k / factor as usize], (k % factor as usize) as u32);
             let (src, dst) = match job.kind {
-                JobKind::Store => (t.block(b), slot_addr),
-                JobKind::Load => (slot_addr, t.block(b)),
+                Direction::Store => (t.block(b), slot_addr),
+                Direction::Load => (slot_addr, t.block(b)),
             };
             push_merged(
                 out,
