@@ -3,4 +3,6 @@
 
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|input: kvoffload_fuzz::scheduler_ops::Input| kvoffload_fuzz::scheduler_ops::run(&input));
+fuzz_target!(
+    |input: kvoffload_fuzz::scheduler_ops::Input| kvoffload_fuzz::scheduler_ops::run(&input)
+);

@@ -30,22 +30,52 @@ const KEYS: u8 = 24;
 enum Op {
     Lookup(u8),
     LookupPrefix(Vec<u8>),
-    PrepareLoad { keys: Vec<u8>, short: bool },
+    PrepareLoad {
+        keys: Vec<u8>,
+        short: bool,
+    },
     Touch(Vec<u8>),
     CompleteLoad(Vec<u8>),
-    PrepareStore { keys: Vec<u8>, short: bool },
-    CompleteStore { keys: Vec<u8>, success: bool },
-    CompleteStoreAt { keys: Vec<u8>, slots: Vec<u32>, success: bool },
+    PrepareStore {
+        keys: Vec<u8>,
+        short: bool,
+    },
+    CompleteStore {
+        keys: Vec<u8>,
+        success: bool,
+    },
+    CompleteStoreAt {
+        keys: Vec<u8>,
+        slots: Vec<u32>,
+        success: bool,
+    },
     /// Completes one store batch the harness prepared (the realistic path), with its slots.
-    CompleteBatch { pick: u8, success: bool, hints: bool },
+    CompleteBatch {
+        pick: u8,
+        success: bool,
+        hints: bool,
+    },
     /// Pins ready keys (the realistic path), later released by `ReleaseLoad`.
-    LoadReady { pick: Vec<u8> },
-    ReleaseLoad { pick: u8 },
-    TakeEvents { events_cap: u8, keys_cap: u8 },
-    Stats { struct_size: u8 },
+    LoadReady {
+        pick: Vec<u8>,
+    },
+    ReleaseLoad {
+        pick: u8,
+    },
+    TakeEvents {
+        events_cap: u8,
+        keys_cap: u8,
+    },
+    Stats {
+        struct_size: u8,
+    },
     Reset,
     /// A call with arbitrary lengths: NULL buffers, lengths that overflow, a NULL handle.
-    Raw { func: u8, n: u64, null_handle: bool },
+    Raw {
+        func: u8,
+        n: u64,
+        null_handle: bool,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -163,7 +193,10 @@ pub fn run(input: &Input) {
         max_tracker_size: 0,
     };
     // SAFETY: writable config.
-    assert_eq!(unsafe { kvo_manager_config_default(&mut cfg) }, kvo_status::Ok);
+    assert_eq!(
+        unsafe { kvo_manager_config_default(&mut cfg) },
+        kvo_status::Ok
+    );
     cfg.key_len = match input.key_len {
         0 => 0,
         k @ 1..=239 => 1 + k as u32 % 8,
@@ -210,8 +243,15 @@ pub fn run(input: &Input) {
         let message = fail_message();
         let after = stats(m);
         if st != kvo_status::Ok {
-            assert!(!message.is_empty(), "op {step} {op:?}: {st:?} without a message");
-            assert_eq!(before, gauges_of(&after), "op {step} {op:?} failed and changed state");
+            assert!(
+                !message.is_empty(),
+                "op {step} {op:?}: {st:?} without a message"
+            );
+            assert_eq!(
+                before,
+                gauges_of(&after),
+                "op {step} {op:?} failed and changed state"
+            );
         }
         check(m, &model, &after, step, op);
     }
@@ -220,7 +260,12 @@ pub fn run(input: &Input) {
 fn check(m: *mut kvo_manager, model: &Model, s: &kvo_manager_stats, step: usize, op: &Op) {
     // SAFETY: live handle.
     let st = unsafe { kvo_manager_check_invariants(m) };
-    assert_eq!(st, kvo_status::Ok, "after op {step} {op:?}: {}", fail_message());
+    assert_eq!(
+        st,
+        kvo_status::Ok,
+        "after op {step} {op:?}: {}",
+        fail_message()
+    );
     assert_eq!(s.capacity, model.num_slots as u64);
     assert!(s.used <= s.capacity, "{s:?}");
     assert_eq!(s.ready + s.stores_in_flight, s.used, "{s:?}");
@@ -330,9 +375,8 @@ fn apply(m: *mut kvo_manager, model: &mut Model, op: &Op) -> kvo_status {
         Op::CompleteStore { keys: idx, success } => {
             let keys = model.keys_of(idx);
             // SAFETY: keys of n * key_len bytes.
-            let st = unsafe {
-                kvo_manager_complete_store(m, keys.as_ptr(), idx.len(), *success as u32)
-            };
+            let st =
+                unsafe { kvo_manager_complete_store(m, keys.as_ptr(), idx.len(), *success as u32) };
             assert_eq!(st, kvo_status::Ok, "{}", fail_message());
             model.complete_store(&keys, *success);
             st
@@ -351,7 +395,11 @@ fn apply(m: *mut kvo_manager, model: &mut Model, op: &Op) -> kvo_status {
             // SAFETY: keys of n * key_len bytes, n slots when n > 0 (or a NULL / short
             // buffer rejected before reading: only `slots.len() == n` passes a pointer).
             let st = unsafe {
-                let sp = if slots.len() >= n { slots.as_ptr() } else { null() };
+                let sp = if slots.len() >= n {
+                    slots.as_ptr()
+                } else {
+                    null()
+                };
                 kvo_manager_complete_store_at(m, keys.as_ptr(), sp, n, *success as u32)
             };
             let ok = n == 0
@@ -360,7 +408,11 @@ fn apply(m: *mut kvo_manager, model: &mut Model, op: &Op) -> kvo_status {
                 assert_eq!(st, kvo_status::Ok, "{}", fail_message());
                 model.complete_store(&keys, *success);
             } else {
-                assert_ne!(st, kvo_status::Ok, "complete_store_at with bad slots accepted");
+                assert_ne!(
+                    st,
+                    kvo_status::Ok,
+                    "complete_store_at with bad slots accepted"
+                );
             }
             st
         }
@@ -402,12 +454,16 @@ fn apply(m: *mut kvo_manager, model: &mut Model, op: &Op) -> kvo_status {
             let mut buf = vec![0xeeu8; full + 8];
             buf[..8].copy_from_slice(&size.to_ne_bytes());
             // SAFETY: the buffer holds more than `size` bytes; the call writes at most that.
-            let st = unsafe { kvo_manager_get_stats(m, buf.as_mut_ptr() as *mut kvo_manager_stats) };
+            let st =
+                unsafe { kvo_manager_get_stats(m, buf.as_mut_ptr() as *mut kvo_manager_stats) };
             if size < 8 {
                 assert_eq!(st, kvo_status::InvalidArgument);
             } else {
                 assert_eq!(st, kvo_status::Ok);
-                assert!(buf[size..].iter().all(|&b| b == 0xee), "wrote past struct_size");
+                assert!(
+                    buf[size..].iter().all(|&b| b == 0xee),
+                    "wrote past struct_size"
+                );
                 assert_eq!(usize::from_ne_bytes(buf[..8].try_into().unwrap()), size);
             }
             st
@@ -456,7 +512,10 @@ fn prepare_load(m: *mut kvo_manager, model: &mut Model, keys: &[u8], short: bool
     }
     assert_eq!(st, want, "prepare_load: {}", fail_message());
     if st != kvo_status::Ok {
-        assert!(slots.iter().all(|&s| s == u32::MAX), "out_slots written on failure");
+        assert!(
+            slots.iter().all(|&s| s == u32::MAX),
+            "out_slots written on failure"
+        );
         return st;
     }
     for (k, &got) in keys.chunks_exact(kl).zip(&slots) {
@@ -512,7 +571,8 @@ fn prepare_store(m: *mut kvo_manager, model: &mut Model, keys: &[u8], short: boo
     let kl = model.kl;
     let n = keys.len() / kl;
     let cap = if short && n > 0 { n - 1 } else { n };
-    let (mut idx, mut slots, mut evicted) = (vec![u32::MAX; n], vec![u32::MAX; n], vec![0u8; n * kl]);
+    let (mut idx, mut slots, mut evicted) =
+        (vec![u32::MAX; n], vec![u32::MAX; n], vec![0u8; n * kl]);
     let (mut n_store, mut n_evicted) = (usize::MAX, usize::MAX);
     // SAFETY: keys of n * key_len bytes; outputs of cap entries (evicted: cap * key_len bytes).
     let st = unsafe {
@@ -550,7 +610,10 @@ fn prepare_store(m: *mut kvo_manager, model: &mut Model, keys: &[u8], short: boo
         .filter(|(k, s)| matches!(s, State::Ready { pins: 0, .. }) && !named(k))
         .count();
     if st == kvo_status::NoRoom {
-        assert!(n_store == usize::MAX && n_evicted == usize::MAX, "outputs written on NO_ROOM");
+        assert!(
+            n_store == usize::MAX && n_evicted == usize::MAX,
+            "outputs written on NO_ROOM"
+        );
         if model.lru && !model.threshold {
             assert!(
                 absent.len() > free + evictable_unnamed,
@@ -563,15 +626,25 @@ fn prepare_store(m: *mut kvo_manager, model: &mut Model, keys: &[u8], short: boo
     assert_eq!(st, kvo_status::Ok, "prepare_store: {}", fail_message());
     let stored = &idx[..n_store];
     if model.threshold {
-        assert!(stored.iter().all(|i| absent.contains(i)), "stored {stored:?} of {absent:?}");
+        assert!(
+            stored.iter().all(|i| absent.contains(i)),
+            "stored {stored:?} of {absent:?}"
+        );
         assert!(stored.windows(2).all(|w| w[0] < w[1]));
     } else {
         assert_eq!(stored, &absent[..], "keys chosen to store");
     }
     if model.lru && !model.threshold {
-        assert!(absent.len() <= free + evictable_unnamed, "LRU stored beyond its room");
+        assert!(
+            absent.len() <= free + evictable_unnamed,
+            "LRU stored beyond its room"
+        );
     }
-    assert_eq!(n_evicted, n_store.saturating_sub(free), "evicted more or fewer than needed");
+    assert_eq!(
+        n_evicted,
+        n_store.saturating_sub(free),
+        "evicted more or fewer than needed"
+    );
     let mut removed = Vec::new();
     for k in evicted[..n_evicted * kl].chunks_exact(kl) {
         assert!(!named(k), "prepare_store evicted {k:?}, a key it names");
@@ -618,7 +691,12 @@ fn take_events(m: *mut kvo_manager, model: &mut Model, ecap: usize, kcap: usize)
     };
     let want_n = model.events.len();
     let want_k: usize = model.events.iter().map(|e| e.1.len() / kl).sum();
-    assert_eq!((ne, nk), (want_n, want_k), "event counts ({})", status_name(st));
+    assert_eq!(
+        (ne, nk),
+        (want_n, want_k),
+        "event counts ({})",
+        status_name(st)
+    );
     if ecap < want_n || kcap < want_k {
         assert_eq!(st, kvo_status::BufferTooSmall);
         return st;
@@ -627,8 +705,15 @@ fn take_events(m: *mut kvo_manager, model: &mut Model, ecap: usize, kcap: usize)
     let mut first = 0;
     for (e, want) in evs.iter().zip(&model.events) {
         let n = want.1.len() / kl;
-        assert_eq!((e.first_key, e.n_keys, e.removed != 0), (first as u64, n as u64, want.0));
-        assert_eq!(&keys[first * kl..(first + n) * kl], &want.1[..], "event keys");
+        assert_eq!(
+            (e.first_key, e.n_keys, e.removed != 0),
+            (first as u64, n as u64, want.0)
+        );
+        assert_eq!(
+            &keys[first * kl..(first + n) * kl],
+            &want.1[..],
+            "event keys"
+        );
         first += n;
     }
     model.events.clear();
@@ -682,7 +767,12 @@ fn raw_call(m: *mut kvo_manager, model: &Model, func: u8, n: u64, null_handle: b
         // Empty calls are fine and change nothing.
         assert_eq!(st, kvo_status::Ok, "empty call {func}: {}", fail_message());
     } else if overflows {
-        assert_eq!(st, kvo_status::InvalidArgument, "n_keys {n} overflows: {}", fail_message());
+        assert_eq!(
+            st,
+            kvo_status::InvalidArgument,
+            "n_keys {n} overflows: {}",
+            fail_message()
+        );
     } else {
         assert_eq!(st, kvo_status::NullArgument, "NULL keys with n_keys {n}");
     }

@@ -18,8 +18,9 @@
 use arbitrary::Arbitrary;
 use kvoffload::Error;
 use kvoffload::manager::Policy;
+use kvoffload::plan::{Direction, Step};
 use kvoffload::scheduler::{
-    DeferReason, JobKind, JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig, Step,
+    DeferReason, JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig,
 };
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -47,15 +48,27 @@ enum Op {
         max_offload: Option<u8>,
     },
     /// Generated tokens: the request grows (new block hashes as blocks fill).
-    Grow { req: u8, tokens: u8 },
-    Match { req: u8, gpu_hit_blocks: u8 },
-    Alloc { req: u8, external: External, extra_blocks: u8 },
+    Grow {
+        req: u8,
+        tokens: u8,
+    },
+    Match {
+        req: u8,
+        gpu_hit_blocks: u8,
+    },
+    Alloc {
+        req: u8,
+        external: External,
+        extra_blocks: u8,
+    },
     Step {
         scheduled: Vec<Sched>,
         preempted: Vec<u8>,
     },
     Complete(Vec<Report>),
-    Finish { req: u8 },
+    Finish {
+        req: u8,
+    },
     Reset,
 }
 
@@ -114,7 +127,7 @@ struct HostReq {
 #[derive(Debug, Clone)]
 struct HostJob {
     req: u64,
-    kind: JobKind,
+    kind: Direction,
     /// Reports still expected.
     remaining: u32,
     in_step: bool,
@@ -185,11 +198,14 @@ impl Host {
     /// gives its blocks back (finished, preempted): it never ships.
     fn withdraw_unshipped(&mut self, req: u64) {
         self.jobs
-            .retain(|_, j| !(j.req == req && j.kind == JobKind::Load && !j.in_step && !j.stale));
+            .retain(|_, j| !(j.req == req && j.kind == Direction::Load && !j.in_step && !j.stale));
     }
 
     fn with_gen(&self, blocks: &[u32]) -> Vec<(u32, u64)> {
-        blocks.iter().map(|&b| (b, self.generation[b as usize])).collect()
+        blocks
+            .iter()
+            .map(|&b| (b, self.generation[b as usize]))
+            .collect()
     }
 
     fn live_jobs(&self, req: u64) -> impl Iterator<Item = (&u64, &HostJob)> {
@@ -249,7 +265,11 @@ pub fn run(input: &Input) {
         let saved = host.clone();
         let r = apply(&mut s, &mut host, op, &mut step, &mut bytes);
         if let Err(e) = &r {
-            assert_eq!(before, s.stats(), "op {n} {op:?} failed ({e}) and changed the stats");
+            assert_eq!(
+                before,
+                s.stats(),
+                "op {n} {op:?} failed ({e}) and changed the stats"
+            );
             host = saved;
         }
         if let Err(e) = s.check_invariants() {
@@ -269,10 +289,16 @@ pub fn run(input: &Input) {
             success: true,
         })
         .collect();
-    s.complete_jobs(&reports).expect("reports of every job in flight");
+    s.complete_jobs(&reports)
+        .expect("reports of every job in flight");
     let st = s.stats();
     assert_eq!(
-        (st.manager.pinned, st.manager.stores_in_flight, st.loads_in_flight, st.stores_in_flight),
+        (
+            st.manager.pinned,
+            st.manager.stores_in_flight,
+            st.loads_in_flight,
+            st.stores_in_flight
+        ),
         (0, 0, 0, 0),
         "after all jobs completed: {st:?}"
     );
@@ -282,10 +308,17 @@ pub fn run(input: &Input) {
 fn check(s: &Scheduler, host: &Host, n: usize, op: &Op) {
     let st = s.stats();
     let m = st.manager;
-    assert!(m.used <= m.capacity && m.ready + m.stores_in_flight == m.used, "{m:?}");
+    assert!(
+        m.used <= m.capacity && m.ready + m.stores_in_flight == m.used,
+        "{m:?}"
+    );
     assert_eq!(m.evictable + m.pinned, m.ready, "{m:?}");
-    let live: Vec<&HostJob> = host.jobs.values().filter(|j| !j.stale && j.remaining > 0).collect();
-    let loads = live.iter().filter(|j| j.kind == JobKind::Load).count() as u64;
+    let live: Vec<&HostJob> = host
+        .jobs
+        .values()
+        .filter(|j| !j.stale && j.remaining > 0)
+        .collect();
+    let loads = live.iter().filter(|j| j.kind == Direction::Load).count() as u64;
     let stores = live.len() as u64 - loads;
     assert_eq!(
         (st.loads_in_flight, st.stores_in_flight),
@@ -297,14 +330,25 @@ fn check(s: &Scheduler, host: &Host, n: usize, op: &Op) {
     let mut all_in_step = true;
     for j in &live {
         all_in_step &= j.in_step;
-        let set = if j.kind == JobKind::Load { &mut pinned } else { &mut storing };
+        let set = if j.kind == Direction::Load {
+            &mut pinned
+        } else {
+            &mut storing
+        };
         set.extend(j.slots.iter().copied());
     }
     if loads == 0 {
-        assert_eq!(m.pinned, 0, "after op {n} {op:?}: pinned without a load in flight");
+        assert_eq!(
+            m.pinned, 0,
+            "after op {n} {op:?}: pinned without a load in flight"
+        );
     }
     if all_in_step {
-        assert_eq!(m.pinned, pinned.len() as u64, "after op {n} {op:?}: pins vs loads");
+        assert_eq!(
+            m.pinned,
+            pinned.len() as u64,
+            "after op {n} {op:?}: pins vs loads"
+        );
     }
     assert_eq!(
         m.stores_in_flight,
@@ -312,12 +356,16 @@ fn check(s: &Scheduler, host: &Host, n: usize, op: &Op) {
         "after op {n} {op:?}: in-flight slots vs store jobs"
     );
     for &id in host.reqs.keys() {
-        let kinds: Vec<JobKind> = host.live_jobs(id).map(|(_, j)| j.kind).collect();
+        let kinds: Vec<Direction> = host.live_jobs(id).map(|(_, j)| j.kind).collect();
         assert!(
-            !kinds.contains(&JobKind::Load) || kinds.len() == 1,
+            !kinds.contains(&Direction::Load) || kinds.len() == 1,
             "request {id} has a load and other jobs: {kinds:?}"
         );
-        assert_eq!(s.has_jobs_in_flight(id).ok(), Some(!kinds.is_empty()), "request {id}");
+        assert_eq!(
+            s.has_jobs_in_flight(id).ok(),
+            Some(!kinds.is_empty()),
+            "request {id}"
+        );
     }
     let zombies = host
         .jobs
@@ -325,7 +373,11 @@ fn check(s: &Scheduler, host: &Host, n: usize, op: &Op) {
         .filter(|j| !j.stale && j.remaining > 0 && !host.reqs.contains_key(&j.req))
         .map(|j| j.req)
         .collect::<BTreeSet<_>>();
-    assert_eq!(st.requests, (host.reqs.len() + zombies.len()) as u64, "requests tracked");
+    assert_eq!(
+        st.requests,
+        (host.reqs.len() + zombies.len()) as u64,
+        "requests tracked"
+    );
 }
 
 fn apply(
@@ -417,7 +469,10 @@ fn apply(
             r.gpu_hit = c;
             r.hit = match m {
                 Match::Hit(n) => {
-                    assert!(n >= gbs * factor && c + n <= r.num_tokens, "hit {n} after {c}");
+                    assert!(
+                        n >= gbs * factor && c + n <= r.num_tokens,
+                        "hit {n} after {c}"
+                    );
                     Some(n)
                 }
                 _ => None,
@@ -451,14 +506,20 @@ fn apply(
             let in_flight = host.live_jobs(id).next().is_some();
             let res = s.on_alloc(id, &blocks, ext);
             if let Ok(Some(job)) = res {
-                assert!(!in_flight, "a load {job} for request {id}, which has jobs in flight");
-                assert!(host.seen_job_ids.insert(job), "job id {job} handed out twice");
+                assert!(
+                    !in_flight,
+                    "a load {job} for request {id}, which has jobs in flight"
+                );
+                assert!(
+                    host.seen_job_ids.insert(job),
+                    "job id {job} handed out twice"
+                );
                 let allocated = host.with_gen(&blocks);
                 host.jobs.insert(
                     job,
                     HostJob {
                         req: id,
-                        kind: JobKind::Load,
+                        kind: Direction::Load,
                         remaining: host.workers,
                         in_step: false,
                         stale: false,
@@ -492,7 +553,10 @@ fn apply(
                 host.release(id);
                 host.reqs.remove(&id);
             } else {
-                assert!(res.is_err(), "finish of untracked or finished {id} accepted");
+                assert!(
+                    res.is_err(),
+                    "finish of untracked or finished {id} accepted"
+                );
             }
             res
         }
@@ -502,12 +566,19 @@ fn apply(
                 .values()
                 .any(|j| !j.stale && j.remaining > 0 && !j.in_step);
             let res = s.reset();
-            assert_eq!(res.is_ok(), !pending, "reset with pending loads: {pending}, {res:?}");
+            assert_eq!(
+                res.is_ok(),
+                !pending,
+                "reset with pending loads: {pending}, {res:?}"
+            );
             res?;
             for j in host.jobs.values_mut() {
                 j.stale = true;
             }
-            host.stale_below = host.seen_job_ids.last().map_or(host.stale_below, |&m| m + 1);
+            host.stale_below = host
+                .seen_job_ids
+                .last()
+                .map_or(host.stale_below, |&m| m + 1);
             host.reset_flush = true;
             for r in host.reqs.values_mut() {
                 r.hit = None;
@@ -557,9 +628,16 @@ fn build_step(
             continue;
         }
         let left = r.num_tokens.saturating_sub(r.computed);
-        let n = if left == 0 { 0 } else { 1 + sc.tokens as u64 % left };
+        let n = if left == 0 {
+            0
+        } else {
+            1 + sc.tokens as u64 % left
+        };
         let have = r.blocks.len() as u64;
-        let need = (r.computed + n).min(r.num_tokens).div_ceil(gbs).saturating_sub(have);
+        let need = (r.computed + n)
+            .min(r.num_tokens)
+            .div_ceil(gbs)
+            .saturating_sub(have);
         let Some(mut fresh) = host.alloc(need as usize + sc.extra_block as usize) else {
             continue;
         };
@@ -606,7 +684,10 @@ fn build_step(
         }
     }
     for &f in step.flush() {
-        assert!(host.seen_job_ids.contains(&f), "flush names job {f}, never made");
+        assert!(
+            host.seen_job_ids.contains(&f),
+            "flush names job {f}, never made"
+        );
         if let Some(j) = host.jobs.get_mut(&f) {
             j.executing = false;
         }
@@ -622,23 +703,41 @@ fn build_step(
     // Every pending load is in this plan; every job touches its own request's blocks.
     for j in step.jobs() {
         let (gpu, slots) = match j.kind {
-            JobKind::Load => (step.dst(j), step.src(j)),
-            JobKind::Store => (step.src(j), step.dst(j)),
+            Direction::Load => (step.dst(j), step.src(j)),
+            Direction::Store => (step.src(j), step.dst(j)),
         };
-        assert_eq!(j.group_size as usize, gpu.len(), "group size of job {}", j.id);
+        assert_eq!(
+            j.num_gpu_blocks as usize,
+            gpu.len(),
+            "group size of job {}",
+            j.id
+        );
         let f = host.factor as usize;
-        let skip = if j.kind == JobKind::Load { j.block_index as usize % f } else { 0 };
-        assert_eq!(slots.len(), (gpu.len() + skip).div_ceil(f), "slots of job {}", j.id);
-        if j.kind == JobKind::Store {
+        let skip = if j.kind == Direction::Load {
+            j.block_index as usize % f
+        } else {
+            0
+        };
+        assert_eq!(
+            slots.len(),
+            (gpu.len() + skip).div_ceil(f),
+            "slots of job {}",
+            j.id
+        );
+        if j.kind == Direction::Store {
             assert_eq!(j.block_index as usize % f, 0, "a store starts on a chunk");
             assert_eq!(gpu.len(), slots.len() * f, "a store moves whole chunks");
         }
         let blocks = match j.kind {
-            JobKind::Load => {
+            Direction::Load => {
                 let hj = host.jobs.get_mut(&j.id).unwrap_or_else(|| {
                     panic!("load {} in a plan was never made by on_alloc", j.id)
                 });
-                assert!(!hj.in_step && hj.req == j.request_id, "load {} planned twice", j.id);
+                assert!(
+                    !hj.in_step && hj.req == j.request_id,
+                    "load {} planned twice",
+                    j.id
+                );
                 gpu.iter()
                     .map(|b| {
                         *hj.allocated.iter().find(|a| a.0 == *b).unwrap_or_else(|| {
@@ -647,8 +746,12 @@ fn build_step(
                     })
                     .collect()
             }
-            JobKind::Store => {
-                assert!(host.seen_job_ids.insert(j.id), "job id {} handed out twice", j.id);
+            Direction::Store => {
+                assert!(
+                    host.seen_job_ids.insert(j.id),
+                    "job id {} handed out twice",
+                    j.id
+                );
                 let r = host.reqs.get(&j.request_id).unwrap_or_else(|| {
                     panic!("store {} for request {}, not live", j.id, j.request_id)
                 });
@@ -666,7 +769,7 @@ fn build_step(
         };
         let hj = host.jobs.entry(j.id).or_insert(HostJob {
             req: j.request_id,
-            kind: JobKind::Store,
+            kind: Direction::Store,
             remaining: host.workers,
             in_step: false,
             stale: false,
@@ -681,7 +784,7 @@ fn build_step(
         hj.slots = slots.to_vec();
     }
     for (id, j) in &host.jobs {
-        if j.kind == JobKind::Load && !j.in_step && !j.stale && j.remaining > 0 {
+        if j.kind == Direction::Load && !j.in_step && !j.stale && j.remaining > 0 {
             panic!("pending load {id} is missing from the plan");
         }
     }
@@ -692,11 +795,9 @@ fn build_step(
         }
         for &(b, g) in &j.blocks {
             assert_eq!(
-                host.generation[b as usize],
-                g,
+                host.generation[b as usize], g,
                 "GPU block {b} was handed out again while job {id} ({:?} of request {}) still touches it, and the plan does not flush it",
-                j.kind,
-                j.req
+                j.kind, j.req
             );
         }
     }
@@ -739,12 +840,14 @@ fn complete(s: &mut Scheduler, host: &mut Host, reports: &[Report]) -> Result<()
     res?;
     let mut failed_loads = BTreeSet::new();
     for rep in &reps {
-        let Some(j) = host.jobs.get_mut(&rep.job_id) else { continue };
+        let Some(j) = host.jobs.get_mut(&rep.job_id) else {
+            continue;
+        };
         if j.stale {
             continue;
         }
         j.remaining -= rep.count;
-        if !rep.success && j.kind == JobKind::Load {
+        if !rep.success && j.kind == Direction::Load {
             failed_loads.insert(j.req);
         }
         if j.remaining == 0 {
@@ -760,7 +863,6 @@ fn complete(s: &mut Scheduler, host: &mut Host, reports: &[Report]) -> Result<()
     }
     Ok(())
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -812,19 +914,44 @@ mod tests {
     fn aborted_load_fences_its_blocks() {
         run(&input(vec![
             add(0, 0),
-            Op::Match { req: 0, gpu_hit_blocks: 0 },
-            Op::Alloc { req: 0, external: External::None, extra_blocks: 0 },
+            Op::Match {
+                req: 0,
+                gpu_hit_blocks: 0,
+            },
+            Op::Alloc {
+                req: 0,
+                external: External::None,
+                extra_blocks: 0,
+            },
             step(vec![prefill(0)]),
-            Op::Complete(vec![Report { job: JobRef::InStep(0), count: 1, success: true }]),
+            Op::Complete(vec![Report {
+                job: JobRef::InStep(0),
+                count: 1,
+                success: true,
+            }]),
             Op::Finish { req: 0 },
             add(1, 0),
-            Op::Match { req: 1, gpu_hit_blocks: 0 },
-            Op::Alloc { req: 1, external: External::Hit, extra_blocks: 0 },
+            Op::Match {
+                req: 1,
+                gpu_hit_blocks: 0,
+            },
+            Op::Alloc {
+                req: 1,
+                external: External::Hit,
+                extra_blocks: 0,
+            },
             step(vec![]),
             Op::Finish { req: 1 },
             add(2, 1),
-            Op::Match { req: 2, gpu_hit_blocks: 0 },
-            Op::Alloc { req: 2, external: External::None, extra_blocks: 2 },
+            Op::Match {
+                req: 2,
+                gpu_hit_blocks: 0,
+            },
+            Op::Alloc {
+                req: 2,
+                external: External::None,
+                extra_blocks: 2,
+            },
             step(vec![]),
         ]));
     }
@@ -834,18 +961,43 @@ mod tests {
     fn unshipped_load_is_withdrawn() {
         run(&input(vec![
             add(0, 0),
-            Op::Match { req: 0, gpu_hit_blocks: 0 },
-            Op::Alloc { req: 0, external: External::None, extra_blocks: 0 },
+            Op::Match {
+                req: 0,
+                gpu_hit_blocks: 0,
+            },
+            Op::Alloc {
+                req: 0,
+                external: External::None,
+                extra_blocks: 0,
+            },
             step(vec![prefill(0)]),
-            Op::Complete(vec![Report { job: JobRef::InStep(0), count: 1, success: true }]),
+            Op::Complete(vec![Report {
+                job: JobRef::InStep(0),
+                count: 1,
+                success: true,
+            }]),
             Op::Finish { req: 0 },
             add(1, 0),
-            Op::Match { req: 1, gpu_hit_blocks: 0 },
-            Op::Alloc { req: 1, external: External::Hit, extra_blocks: 0 },
+            Op::Match {
+                req: 1,
+                gpu_hit_blocks: 0,
+            },
+            Op::Alloc {
+                req: 1,
+                external: External::Hit,
+                extra_blocks: 0,
+            },
             Op::Finish { req: 1 },
             add(2, 1),
-            Op::Match { req: 2, gpu_hit_blocks: 0 },
-            Op::Alloc { req: 2, external: External::None, extra_blocks: 2 },
+            Op::Match {
+                req: 2,
+                gpu_hit_blocks: 0,
+            },
+            Op::Alloc {
+                req: 2,
+                external: External::None,
+                extra_blocks: 2,
+            },
             step(vec![]),
             Op::Reset,
         ]));

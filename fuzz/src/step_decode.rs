@@ -3,7 +3,7 @@
 
 use arbitrary::Arbitrary;
 use kvoffload::ffi::*;
-use kvoffload::scheduler::{FORMAT_VERSION, JobKind, Step};
+use kvoffload::plan::{Direction, FORMAT_VERSION, Step};
 use std::ptr::null_mut;
 
 /// A fuzz input: raw bytes for the decoder, or a plan to write, decode and re-encode.
@@ -11,7 +11,13 @@ use std::ptr::null_mut;
 pub enum Input {
     Bytes(Vec<u8>),
     /// A valid plan's bytes with one mutation (a flipped bit, truncation, a patched CRC).
-    Mutated { plan: Plan, at: u16, flip: u8, fix_crc: bool, cut: bool },
+    Mutated {
+        plan: Plan,
+        at: u16,
+        flip: u8,
+        fix_crc: bool,
+        cut: bool,
+    },
     Plan(Plan),
 }
 
@@ -74,7 +80,11 @@ fn crc32(bytes: &[u8]) -> u32 {
     for &b in bytes {
         c ^= b as u32;
         for _ in 0..8 {
-            c = if c & 1 != 0 { (c >> 1) ^ 0xEDB8_8320 } else { c >> 1 };
+            c = if c & 1 != 0 {
+                (c >> 1) ^ 0xEDB8_8320
+            } else {
+                c >> 1
+            };
         }
     }
     !c
@@ -114,13 +124,24 @@ fn decode_any(bytes: &[u8]) -> Option<Step> {
     unsafe { kvo_step_free(h) };
     match r {
         Err(e) => {
-            assert!(matches!(e, kvoffload::Error::CorruptData(_)), "decode error {e}");
-            assert_eq!(st, kvo_status::CorruptData, "C decode of bytes the Rust decoder refuses");
+            assert!(
+                matches!(e, kvoffload::Error::CorruptData(_)),
+                "decode error {e}"
+            );
+            assert_eq!(
+                st,
+                kvo_status::CorruptData,
+                "C decode of bytes the Rust decoder refuses"
+            );
             assert_eq!(s, before, "a failed decode changed the plan");
             None
         }
         Ok(()) => {
-            assert_eq!(st, kvo_status::Ok, "C decode of bytes the Rust decoder takes");
+            assert_eq!(
+                st,
+                kvo_status::Ok,
+                "C decode of bytes the Rust decoder takes"
+            );
             let mut again = Vec::new();
             s.encode(&mut again);
             let mut d = Step::new();
@@ -159,7 +180,10 @@ pub fn run(input: &Input) {
             let accepted = decode_any(&b).is_some();
             // CRC-32 detects every error burst of up to 32 bits: a flipped byte is refused
             // unless the checksum was recomputed.
-            assert!(!accepted || *fix_crc || *cut, "a corrupted plan was accepted: {b:?}");
+            assert!(
+                !accepted || *fix_crc || *cut,
+                "a corrupted plan was accepted: {b:?}"
+            );
         }
         Input::Plan(p) => {
             let bytes = write_plan(p);
@@ -167,12 +191,19 @@ pub fn run(input: &Input) {
             assert_eq!(s.block_size_factor, p.factor);
             assert_eq!(s.jobs().len(), p.jobs.len());
             for (j, want) in s.jobs().iter().zip(&p.jobs) {
-                let kind = if want.store { JobKind::Store } else { JobKind::Load };
-                assert_eq!((j.id, j.kind, j.request_id, j.block_index), (want.id, kind, want.request_id, want.block_index));
+                let kind = if want.store {
+                    Direction::Store
+                } else {
+                    Direction::Load
+                };
+                assert_eq!(
+                    (j.id, j.kind, j.request_id, j.block_index),
+                    (want.id, kind, want.request_id, want.block_index)
+                );
                 assert_eq!(s.src(j), &want.src[..]);
                 assert_eq!(s.dst(j), &want.dst[..]);
                 let gpu = if want.store { &want.src } else { &want.dst };
-                assert_eq!(j.group_size as usize, gpu.len());
+                assert_eq!(j.num_gpu_blocks as usize, gpu.len());
             }
             assert_eq!(s.flush(), &p.flush[..]);
             let mut again = Vec::new();

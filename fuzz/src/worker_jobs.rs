@@ -7,7 +7,7 @@
 use crate::step_decode::{Plan, PlanJob, write_plan};
 use arbitrary::Arbitrary;
 use kvoffload::Error;
-use kvoffload::scheduler::{JobKind, Step};
+use kvoffload::plan::{Direction, Step};
 use kvoffload::transfer::{BackendKind, Completion, JobBlocks, KvTensor, Worker, WorkerConfig};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -32,12 +32,33 @@ struct TensorSpec {
 
 #[derive(Arbitrary, Debug)]
 enum Op {
-    Fill { tensor: u8, block: u8, seed: u8 },
-    Submit { id: u8, job: JobSpec },
-    Step { jobs: Vec<(u8, JobSpec)>, flush: Vec<u8> },
-    Poll { max: u8 },
-    Wait { ids: Vec<u8>, unknown: bool },
-    Swap { src_t: u8, dst_t: u8, src: Vec<u8>, dst: Vec<u8>, job: Option<u8> },
+    Fill {
+        tensor: u8,
+        block: u8,
+        seed: u8,
+    },
+    Submit {
+        id: u8,
+        job: JobSpec,
+    },
+    Step {
+        jobs: Vec<(u8, JobSpec)>,
+        flush: Vec<u8>,
+    },
+    Poll {
+        max: u8,
+    },
+    Wait {
+        ids: Vec<u8>,
+        unknown: bool,
+    },
+    Swap {
+        src_t: u8,
+        dst_t: u8,
+        src: Vec<u8>,
+        dst: Vec<u8>,
+        job: Option<u8>,
+    },
     Check,
     Shutdown,
 }
@@ -103,10 +124,16 @@ impl Layout {
 
     /// The copies of a job as (src region, dst region) pairs, or None when the library must
     /// refuse it (counts that do not fit, ids outside the registration).
-    fn plan(&self, kind: JobKind, src: &[u32], dst: &[u32], block_index: u32) -> Option<Vec<(Region, Region)>> {
+    fn plan(
+        &self,
+        kind: Direction,
+        src: &[u32],
+        dst: &[u32],
+        block_index: u32,
+    ) -> Option<Vec<(Region, Region)>> {
         let (kv, slots) = match kind {
-            JobKind::Store => (src, dst),
-            JobKind::Load => (dst, src),
+            Direction::Store => (src, dst),
+            Direction::Load => (dst, src),
         };
         let f = self.factor as usize;
         let skip = block_index as usize % f;
@@ -127,8 +154,8 @@ impl Layout {
                 let kv_r = (ti, kv_at, kv_at + page);
                 let host_r = (self.t() + ti, host_at, host_at + page);
                 out.push(match kind {
-                    JobKind::Store => (kv_r, host_r),
-                    JobKind::Load => (host_r, kv_r),
+                    Direction::Store => (kv_r, host_r),
+                    Direction::Load => (host_r, kv_r),
                 });
             }
         }
@@ -147,7 +174,10 @@ fn apply_model(mem: &mut Mem, copies: &[(Region, Region)]) {
         staged.push((d, mem.model[s.0][s.1..s.2].to_vec()));
     }
     for (i, (d, v)) in staged.iter().enumerate() {
-        let twice = staged.iter().enumerate().any(|(j, (e, _))| j != i && overlap(d, e));
+        let twice = staged
+            .iter()
+            .enumerate()
+            .any(|(j, (e, _))| j != i && overlap(d, e));
         for (k, b) in v.iter().enumerate() {
             mem.model[d.0][d.1 + k] = if twice { None } else { *b };
         }
@@ -196,14 +226,21 @@ impl Harness {
         if ids.is_empty() {
             return;
         }
-        self.w.wait(ids, Duration::from_secs(60)).expect("wait for submitted jobs");
+        self.w
+            .wait(ids, Duration::from_secs(60))
+            .expect("wait for submitted jobs");
         for id in ids {
             self.pending.get_mut(id).expect("pending").running = false;
         }
     }
 
     fn wait_all(&mut self) {
-        let ids: Vec<u64> = self.pending.iter().filter(|(_, p)| p.running).map(|(&i, _)| i).collect();
+        let ids: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.running)
+            .map(|(&i, _)| i)
+            .collect();
         self.wait_ids(&ids);
     }
 
@@ -214,7 +251,10 @@ impl Harness {
             .iter()
             .filter(|(_, p)| {
                 p.running
-                    && (p.writes.iter().any(|a| reads.iter().chain(writes).any(|b| overlap(a, b)))
+                    && (p
+                        .writes
+                        .iter()
+                        .any(|a| reads.iter().chain(writes).any(|b| overlap(a, b)))
                         || p.reads.iter().any(|a| writes.iter().any(|b| overlap(a, b))))
             })
             .map(|(&i, _)| i)
@@ -222,20 +262,36 @@ impl Harness {
         self.wait_ids(&ids);
     }
 
-    fn ids(&self, spec: &JobSpec) -> (JobKind, Vec<u32>, Vec<u32>, u32) {
-        let nb = self.lay.tensors.iter().map(|t| t.num_blocks).min().unwrap_or(0);
+    fn ids(&self, spec: &JobSpec) -> (Direction, Vec<u32>, Vec<u32>, u32) {
+        let nb = self
+            .lay
+            .tensors
+            .iter()
+            .map(|t| t.num_blocks)
+            .min()
+            .unwrap_or(0);
         let block = |b: &u8| *b as u32 % (nb + 2);
         let slot = |s: &u8| *s as u32 % (self.lay.slots + 2);
-        let kind = if spec.store { JobKind::Store } else { JobKind::Load };
-        let (src, dst) = if spec.store {
-            (spec.src.iter().map(block).collect(), spec.dst.iter().map(slot).collect())
+        let kind = if spec.store {
+            Direction::Store
         } else {
-            (spec.src.iter().map(slot).collect(), spec.dst.iter().map(block).collect())
+            Direction::Load
+        };
+        let (src, dst) = if spec.store {
+            (
+                spec.src.iter().map(block).collect(),
+                spec.dst.iter().map(slot).collect(),
+            )
+        } else {
+            (
+                spec.src.iter().map(slot).collect(),
+                spec.dst.iter().map(block).collect(),
+            )
         };
         (kind, src, dst, spec.block_index as u32 % 8)
     }
 
-    fn record(&mut self, id: u64, kind: JobKind, copies: Option<Vec<(Region, Region)>>) {
+    fn record(&mut self, id: u64, kind: Direction, copies: Option<Vec<(Region, Region)>>) {
         let ok = copies.is_some();
         let copies = copies.unwrap_or_default();
         let bytes = copies.iter().map(|c| (c.0.2 - c.0.1) as u64).sum();
@@ -250,7 +306,7 @@ impl Harness {
             Pending {
                 ok,
                 bytes,
-                dir_store: kind == JobKind::Store,
+                dir_store: kind == Direction::Store,
                 running: ok,
                 reads: copies.iter().map(|c| c.0).collect(),
                 writes: copies.iter().map(|c| c.1).collect(),
@@ -268,10 +324,18 @@ impl Harness {
         if p.ok {
             assert_eq!(c.bytes, p.bytes, "job {} bytes", c.job_id);
             let d = p.dir_store as usize;
-            assert!(p.seq > self.last_seq[d], "job {} completed out of submission order", c.job_id);
+            assert!(
+                p.seq > self.last_seq[d],
+                "job {} completed out of submission order",
+                c.job_id
+            );
             self.last_seq[d] = p.seq;
         } else {
-            assert!(c.error.as_ref().is_some_and(|e| !e.is_empty()), "failed job {} has no error text", c.job_id);
+            assert!(
+                c.error.as_ref().is_some_and(|e| !e.is_empty()),
+                "failed job {} has no error text",
+                c.job_id
+            );
         }
     }
 
@@ -303,7 +367,9 @@ pub fn run(input: &Input) {
         let page = 1 + s.page_words as u64 % 4;
         let stride = page + s.gap_words as u64 % 3;
         let n = (nb as u64 * stride) as usize;
-        let w: Vec<u64> = (0..n as u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        let w: Vec<u64> = (0..n as u64)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
         tensors.push((nb, page * 8, stride * 8));
         words.push(w);
     }
@@ -333,8 +399,12 @@ pub fn run(input: &Input) {
         threads: 1 + input.threads as usize % 3,
         backend: BackendKind::Host,
     };
-    let w = Worker::new(cfg, &kv, input.borrowed_host.then_some(&host[..])).expect("a valid registration");
-    let mut mem = Mem { model: Vec::new(), words };
+    let w = Worker::new(cfg, &kv, input.borrowed_host.then_some(&host[..]))
+        .expect("a valid registration");
+    let mut mem = Mem {
+        model: Vec::new(),
+        words,
+    };
     for m in 0..2 * t {
         let known = m < t || input.borrowed_host;
         let v: Vec<Option<u8>> = if known {
@@ -367,12 +437,20 @@ pub fn run(input: &Input) {
     for c in &out {
         h.check_completion(c);
     }
-    assert!(h.pending.is_empty(), "jobs never reported: {:?}", h.pending.keys());
+    assert!(
+        h.pending.is_empty(),
+        "jobs never reported: {:?}",
+        h.pending.keys()
+    );
 }
 
 fn apply(h: &mut Harness, op: &Op) {
     match op {
-        Op::Fill { tensor, block, seed } => {
+        Op::Fill {
+            tensor,
+            block,
+            seed,
+        } => {
             let ti = *tensor as usize % h.lay.t();
             let tt = h.lay.tensors[ti];
             let b = *block as u32 % tt.num_blocks;
@@ -395,10 +473,18 @@ fn apply(h: &mut Harness, op: &Op) {
                 let writes: Vec<Region> = c.iter().map(|x| x.1).collect();
                 h.wait_conflicts(&reads, &writes);
             }
-            let blocks = JobBlocks { kind, src: &src, dst: &dst, block_index: bi };
+            let blocks = JobBlocks {
+                kind,
+                src: &src,
+                dst: &dst,
+                block_index: bi,
+            };
             let r = h.w.submit(id, &blocks, 0);
             if in_use || h.shut_down {
-                assert!(matches!(r, Err(Error::InvalidState(_))), "submit of job {id}: {r:?}");
+                assert!(
+                    matches!(r, Err(Error::InvalidState(_))),
+                    "submit of job {id}: {r:?}"
+                );
                 return;
             }
             r.expect("submit of a new job id");
@@ -421,14 +507,19 @@ fn apply(h: &mut Harness, op: &Op) {
             let mut list: Vec<u64> = if known.is_empty() {
                 Vec::new()
             } else {
-                ids.iter().map(|&i| known[i as usize % known.len()]).collect()
+                ids.iter()
+                    .map(|&i| known[i as usize % known.len()])
+                    .collect()
             };
             if *unknown {
                 list.push(1000);
             }
             let r = h.w.wait(&list, Duration::from_secs(60));
             if *unknown {
-                assert!(matches!(r, Err(Error::NotFound(_))), "wait for an unknown id: {r:?}");
+                assert!(
+                    matches!(r, Err(Error::NotFound(_))),
+                    "wait for an unknown id: {r:?}"
+                );
             } else {
                 r.expect("wait for pending jobs");
                 for id in list {
@@ -436,7 +527,13 @@ fn apply(h: &mut Harness, op: &Op) {
                 }
             }
         }
-        Op::Swap { src_t, dst_t, src, dst, job } => swap(h, *src_t, *dst_t, src, dst, *job),
+        Op::Swap {
+            src_t,
+            dst_t,
+            src,
+            dst,
+            job,
+        } => swap(h, *src_t, *dst_t, src, dst, *job),
         Op::Check => h.compare(),
         Op::Shutdown => {
             h.w.shutdown().expect("shutdown");
@@ -450,7 +547,11 @@ fn apply(h: &mut Harness, op: &Op) {
 
 fn step(h: &mut Harness, jobs: &[(u8, JobSpec)], flush: &[u8]) {
     let known: Vec<u64> = h.pending.keys().copied().collect();
-    let mut plan = Plan { factor: h.lay.factor, jobs: Vec::new(), flush: Vec::new() };
+    let mut plan = Plan {
+        factor: h.lay.factor,
+        jobs: Vec::new(),
+        flush: Vec::new(),
+    };
     let mut specs = Vec::new();
     // Loads first, as the scheduler plans them.
     let mut ordered: Vec<&(u8, JobSpec)> = jobs.iter().filter(|j| !j.1.store).collect();
@@ -460,7 +561,7 @@ fn step(h: &mut Harness, jobs: &[(u8, JobSpec)], flush: &[u8]) {
         let (kind, src, dst, bi) = h.ids(spec);
         plan.jobs.push(PlanJob {
             id,
-            store: kind == JobKind::Store,
+            store: kind == Direction::Store,
             request_id: 1,
             block_index: bi,
             src: src.clone(),
@@ -482,7 +583,10 @@ fn step(h: &mut Harness, jobs: &[(u8, JobSpec)], flush: &[u8]) {
         }
     }
     for (&id, p) in &h.pending {
-        let conflict = p.writes.iter().any(|a| reads.iter().chain(&writes).any(|b| overlap(a, b)))
+        let conflict = p
+            .writes
+            .iter()
+            .any(|a| reads.iter().chain(&writes).any(|b| overlap(a, b)))
             || p.reads.iter().any(|a| writes.iter().any(|b| overlap(a, b)));
         if p.running && conflict {
             plan.flush.push(id);
@@ -491,12 +595,19 @@ fn step(h: &mut Harness, jobs: &[(u8, JobSpec)], flush: &[u8]) {
     plan.flush.sort_unstable();
     plan.flush.dedup();
     let mut step = Step::new();
-    step.decode(&write_plan(&plan)).expect("a written plan decodes");
-    let dup = specs.iter().enumerate().any(|(i, a)| specs[..i].iter().any(|b| b.0 == a.0));
+    step.decode(&write_plan(&plan))
+        .expect("a written plan decodes");
+    let dup = specs
+        .iter()
+        .enumerate()
+        .any(|(i, a)| specs[..i].iter().any(|b| b.0 == a.0));
     let in_use = specs.iter().any(|s| h.pending.contains_key(&s.0));
     let r = h.w.submit_step(&step, 0);
     if h.shut_down || dup || in_use {
-        assert!(r.is_err(), "a plan with reused job ids or after shutdown was taken");
+        assert!(
+            r.is_err(),
+            "a plan with reused job ids or after shutdown was taken"
+        );
         return;
     }
     r.expect("submit_step");
@@ -513,8 +624,13 @@ fn step(h: &mut Harness, jobs: &[(u8, JobSpec)], flush: &[u8]) {
             if a.1 == b.1 {
                 continue;
             }
-            let (Some(ca), Some(cb)) = (&a.2, &b.2) else { continue };
-            let hit = ca.iter().any(|x| cb.iter().any(|y| overlap(&x.1, &y.0) || overlap(&x.0, &y.1) || overlap(&x.1, &y.1)));
+            let (Some(ca), Some(cb)) = (&a.2, &b.2) else {
+                continue;
+            };
+            let hit = ca.iter().any(|x| {
+                cb.iter()
+                    .any(|y| overlap(&x.1, &y.0) || overlap(&x.0, &y.1) || overlap(&x.1, &y.1))
+            });
             if hit {
                 unknown.extend(ca.iter().map(|x| x.1));
                 unknown.extend(cb.iter().map(|y| y.1));
@@ -551,7 +667,11 @@ fn swap(h: &mut Harness, src_t: u8, dst_t: u8, src: &[u8], dst: &[u8], job: Opti
     let r = h.w.swap_blocks(st, dt, &sb, &db, job);
     let in_use = job.is_some_and(|j| h.pending.contains_key(&j));
     if !valid || h.shut_down || in_use {
-        assert!(r.is_err(), "swap accepted: valid {valid}, shut down {}, id in use {in_use}", h.shut_down);
+        assert!(
+            r.is_err(),
+            "swap accepted: valid {valid}, shut down {}, id in use {in_use}",
+            h.shut_down
+        );
         return;
     }
     r.expect("swap_blocks");
@@ -562,7 +682,10 @@ fn swap(h: &mut Harness, src_t: u8, dst_t: u8, src: &[u8], dst: &[u8], job: Opti
             let (s, d) = (h.lay.tensors[st], h.lay.tensors[dt]);
             let sa = (a as u64 * s.block_stride) as usize;
             let da = (b as u64 * d.block_stride) as usize;
-            ((st, sa, sa + s.page_size as usize), (dt, da, da + d.page_size as usize))
+            (
+                (st, sa, sa + s.page_size as usize),
+                (dt, da, da + d.page_size as usize),
+            )
         })
         .collect();
     apply_model(&mut h.mem, &copies);
