@@ -288,7 +288,12 @@ impl Sim {
 
     /// Builds step `step_no` for `plan` (request, tokens to compute), runs the flush and the
     /// forward pass.
-    pub(super) fn build(&mut self, plan: &[(u64, u64, u64)], preempted: &[u64], rng: &mut Rng) -> R {
+    pub(super) fn build(
+        &mut self,
+        plan: &[(u64, u64, u64)],
+        preempted: &[u64],
+        rng: &mut Rng,
+    ) -> R {
         let m = self.step_no;
         let new_ids: Vec<Vec<u32>> = plan
             .iter()
