@@ -188,7 +188,7 @@ impl Host {
 
     fn release(&mut self, id: u64) {
         if let Some(r) = self.reqs.get_mut(&id) {
-            self.free.extend(r.blocks.drain(..));
+            self.free.append(&mut r.blocks);
             r.running = false;
             r.announced = 0;
         }
@@ -198,7 +198,7 @@ impl Host {
     /// gives its blocks back (finished, preempted): it never ships.
     fn withdraw_unshipped(&mut self, req: u64) {
         self.jobs
-            .retain(|_, j| !(j.req == req && j.kind == Direction::Load && !j.in_step && !j.stale));
+            .retain(|_, j| j.req != req || j.kind != Direction::Load || j.in_step || j.stale);
     }
 
     fn with_gen(&self, blocks: &[u32]) -> Vec<(u32, u64)> {
