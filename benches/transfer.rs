@@ -726,5 +726,42 @@ mod gpu {
     }
 }
 
-criterion_group!(benches, host_bandwidth, plan_building, gpu::bandwidth);
+/// One 4 KiB store through the worker: submit, wait, poll (the per-job cost of the worker's
+/// bookkeeping and waiting, not of copying); and a poll with nothing to report.
+fn round_trip(c: &mut Criterion) {
+    let mut g = c.benchmark_group("round_trip_1x4KiB");
+    let s = setup(4096, 1);
+    let job = JobBlocks {
+        kind: Direction::Store,
+        src: &s.gpu[..1],
+        dst: &s.slots[..1],
+        block_index: 0,
+    };
+    let (mut id, mut out) = (0u64, Vec::with_capacity(4));
+    g.bench_function("submit_wait_poll", |b| {
+        b.iter(|| {
+            id += 1;
+            s.worker.submit(id, &job, 0).unwrap();
+            s.worker.wait(&[id], Duration::from_secs(60)).unwrap();
+            out.clear();
+            s.worker.poll(&mut out, 4).unwrap();
+            assert_eq!(out.len(), 1);
+        })
+    });
+    g.bench_function("poll_idle", |b| {
+        b.iter(|| {
+            out.clear();
+            s.worker.poll(&mut out, 4).unwrap();
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    host_bandwidth,
+    plan_building,
+    round_trip,
+    gpu::bandwidth
+);
 criterion_main!(benches);

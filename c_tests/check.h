@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static int passed, failed;
@@ -33,11 +34,27 @@ static const char *last_error(void) {
     return err_buf;
 }
 
+/* With KVO_STATUS_LOG set, appends "<function> <status>" for each checked call of a kvo_
+ * function to that file (tests/c_api.rs compares them with the header's docs). */
+static void log_status(const char *what, kvo_status got) {
+    const char *path = getenv("KVO_STATUS_LOG");
+    size_t n = strspn(what, "abcdefghijklmnopqrstuvwxyz_0123456789");
+    if (path == NULL || strncmp(what, "kvo_", 4) != 0 || (what[n] != '(' && what[n] != '\0')) {
+        return;
+    }
+    FILE *f = fopen(path, "a");
+    if (f != NULL) {
+        fprintf(f, "%.*s %d\n", (int)n, what, (int)got);
+        fclose(f);
+    }
+}
+
 /* `got` must be `want`; a failure must leave a message naming `arg` (when given), a success an
  * empty message. Reads the message first, so call it right after the call being checked. */
 static void check_status(kvo_status got, kvo_status want, const char *arg, int line,
                          const char *what) {
     const char *msg = last_error();
+    log_status(what, got);
     if (got != want) {
         failed++;
         printf("FAIL line %d: %s returned %d, want %d (last error: \"%s\")\n", line, what,

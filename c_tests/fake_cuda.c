@@ -16,6 +16,9 @@
  *   else CUDA_ERROR_INVALID_CONTEXT.
  * - Counters for the tests: uint64_t fake_stat(const char *name), void fake_reset_stats(void),
  *   void fake_set(const char *knob, long long value).
+ * - cuMemHostRegister_v2 touches no memory. Knobs: `register_max_bytes` (n > 0: a call for more
+ *   than n bytes fails with CUDA_ERROR_INVALID_VALUE, like a driver's single-call ceiling) and
+ *   `register_fail_in` (n > 0: the n-th call from now fails with CUDA_ERROR_OUT_OF_MEMORY).
  *
  * Build variants (macros):
  *   FAKE_DRIVER_VERSION=n     what cuDriverGetVersion reports (default 12080)
@@ -58,6 +61,7 @@ typedef struct {
 enum {
     CUDA_SUCCESS = 0,
     CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
     CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_NO_DEVICE = 100,
     CUDA_ERROR_INVALID_DEVICE = 101,
@@ -124,6 +128,8 @@ struct fake_event {
     X(host_register_calls)                                                                       \
     X(host_unregister_calls)                                                                     \
     X(host_registered_live)                                                                      \
+    X(host_registered_bytes)                                                                     \
+    X(largest_register_bytes)                                                                    \
     X(last_register_flags)                                                                       \
     X(context_errors)
 
@@ -141,6 +147,9 @@ static int initialized;
 static struct fake_stream *streams;
 static struct fake_event *events;
 static void *registered[MAX_REGISTERED];
+static size_t registered_len[MAX_REGISTERED];
+static long long register_max_bytes; /* knob */
+static long long register_fail_in;   /* knob */
 static double clock_ms;
 static int queries_to_complete = 3;
 static int never_complete;
@@ -198,12 +207,13 @@ EXPORT uint64_t fake_stat(const char *name) {
 EXPORT void fake_reset_stats(void) {
     LOCK();
     uint64_t refs = stats.primary_ctx_refs, slive = stats.streams_live, elive = stats.events_live,
-             hlive = stats.host_registered_live;
+             hlive = stats.host_registered_live, hbytes = stats.host_registered_bytes;
     memset(&stats, 0, sizeof stats);
     stats.primary_ctx_refs = refs;
     stats.streams_live = slive;
     stats.events_live = elive;
     stats.host_registered_live = hlive;
+    stats.host_registered_bytes = hbytes;
     UNLOCK();
 }
 
@@ -212,6 +222,8 @@ EXPORT void fake_set(const char *knob, long long value) {
     if (strcmp(knob, "queries_to_complete") == 0) queries_to_complete = (int)value;
     if (strcmp(knob, "never_complete") == 0) never_complete = (int)value;
     if (strcmp(knob, "batch_fails") == 0) batch_fails = (int)value;
+    if (strcmp(knob, "register_max_bytes") == 0) register_max_bytes = value;
+    if (strcmp(knob, "register_fail_in") == 0) register_fail_in = value;
     UNLOCK();
 }
 
@@ -544,9 +556,14 @@ EXPORT CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned int flags) {
         UNLOCK();
         return CUDA_ERROR_INVALID_CONTEXT;
     }
-    if (!p || len == 0 || flags > 0xf) {
+    if (!p || len == 0 || flags > 0xf ||
+        (register_max_bytes > 0 && len > (unsigned long long)register_max_bytes)) {
         UNLOCK();
         return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (register_fail_in > 0 && --register_fail_in == 0) {
+        UNLOCK();
+        return CUDA_ERROR_OUT_OF_MEMORY;
     }
     int free_slot = -1;
     for (int i = 0; i < MAX_REGISTERED; i++) {
@@ -558,7 +575,10 @@ EXPORT CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned int flags) {
             rc = CUDA_ERROR_INVALID_VALUE;
         } else {
             registered[free_slot] = p;
+            registered_len[free_slot] = len;
             stats.host_registered_live++;
+            stats.host_registered_bytes += len;
+            if (len > stats.largest_register_bytes) stats.largest_register_bytes = len;
             stats.last_register_flags = flags;
         }
     }
@@ -578,6 +598,7 @@ EXPORT CUresult cuMemHostUnregister(void *p) {
         if (p && registered[i] == p) {
             registered[i] = NULL;
             stats.host_registered_live--;
+            stats.host_registered_bytes -= registered_len[i];
             rc = CUDA_SUCCESS;
         }
     }
@@ -596,6 +617,7 @@ EXPORT CUresult cuGetErrorName(CUresult error, const char **name) {
         return CUDA_SUCCESS;
         NAME(CUDA_SUCCESS)
         NAME(CUDA_ERROR_INVALID_VALUE)
+        NAME(CUDA_ERROR_OUT_OF_MEMORY)
         NAME(CUDA_ERROR_NOT_INITIALIZED)
         NAME(CUDA_ERROR_NO_DEVICE)
         NAME(CUDA_ERROR_INVALID_DEVICE)

@@ -595,6 +595,25 @@ static void test_bad_config(void) {
     bad.max_tracker_size = 0;
     CHECK_STATUS(kvo_manager_new(&bad, &m), KVO_STATUS_INVALID_ARGUMENT, "max_tracker_size");
     CHECK(m == sentinel); /* *out is not written on failure */
+
+    /* A tier whose index cannot be allocated: KVO_STATUS_OUT_OF_MEMORY naming num_slots (with
+     * heuristic overcommit, the Linux default, an allocation beyond RAM + swap is refused). */
+    FILE *f = fopen("/proc/sys/vm/overcommit_memory", "r");
+    int mode = -1;
+    if (f != NULL) {
+        if (fscanf(f, "%d", &mode) != 1) mode = -1;
+        fclose(f);
+    }
+    if (mode == 0) {
+        bad = cfg;
+        bad.key_len = KVO_MAX_KEY_LEN;
+        bad.num_slots = UINT32_MAX - 1;
+        CHECK_STATUS(kvo_manager_new(&bad, &m), KVO_STATUS_OUT_OF_MEMORY, "num_slots");
+        CHECK(strstr(last_error(), "cfg->out of memory") == NULL);
+        CHECK(m == sentinel);
+    } else {
+        printf("skipped the out-of-memory check: needs vm.overcommit_memory = 0\n");
+    }
 }
 
 /* Every bad input fails with its status, names the argument and changes nothing. The manager
@@ -828,6 +847,30 @@ static void test_reset(void) {
     kvo_manager_free(m);
 }
 
+/* The Prometheus text of a manager: vLLM's usage gauge (store in flight counts as not
+ * evictable), the handle and buffer checks. */
+static void test_metrics_text(void) {
+    kvo_manager *m = new_manager(KVO_POLICY_LRU, 4, 0);
+    store_out o = PREPARE_STORE(m, KVO_STATUS_OK, 1, 2);
+    CHECK(o.n_store == 2);
+    char text[8192];
+    size_t len = 0;
+    const kvo_label rank[1] = {{"rank", "0"}};
+    CHECK_OK(kvo_manager_metrics_text(m, "kvo", rank, 1, text, sizeof text, &len));
+    CHECK(len == strlen(text));
+    CHECK(strstr(text, "# TYPE kvo_cpu_cache_usage_perc gauge\nkvo_cpu_cache_usage_perc{rank=\"0\"} 0.5\n") != NULL);
+    CHECK(strstr(text, "\nkvo_store_in_flight_slots{rank=\"0\"} 2\n") != NULL);
+    size_t keep = 5;
+    CHECK_STATUS(kvo_manager_metrics_text(NULL, "kvo", NULL, 0, text, sizeof text, &keep),
+                 KVO_STATUS_NULL_ARGUMENT, "manager");
+    CHECK_STATUS(kvo_manager_metrics_text(m, "kvo", NULL, 0, text, 10, &keep),
+                 KVO_STATUS_BUFFER_TOO_SMALL, "cap");
+    size_t bare = 0;
+    CHECK_OK(kvo_manager_metrics_text(m, "kvo", NULL, 0, text, sizeof text, &bare));
+    CHECK(keep == bare && bare < len);
+    kvo_manager_free(m);
+}
+
 int main(void) {
     test_versions();
     test_config_default();
@@ -840,6 +883,7 @@ int main(void) {
     test_bad_config();
     test_bad_inputs();
     test_reset();
+    test_metrics_text();
     printf("%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
 }

@@ -1,42 +1,34 @@
-// The manager C API from C++17 through a tiny RAII wrapper: an ARC manager stores, completes and
-// looks up keys, and answers NO_ROOM while everything is pinned. Prints one line per failed
-// check and `N passed, M failed`; exits non-zero on any failure. Compiled and run by
-// tests/c_api.rs.
-#include "kvoffload.h"
+// The manager through kvoffload.hpp: an ARC manager stores, completes and looks up keys, and
+// answers "no room" while everything is pinned; the wrappers' errors carry the status and the
+// library's message, as kvo::Error and as kvo::Result. Prints one line per failed check and
+// `N passed, M failed`; exits non-zero on any failure. Compiled and run by tests/c_api.rs.
+#include "kvoffload.hpp"
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <initializer_list>
-#include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 #include "check.hpp"
 
-// The RAII wrapper: the handle is freed exactly once, whatever path leaves the scope.
-struct ManagerFree {
-    void operator()(kvo_manager *m) const noexcept { kvo_manager_free(m); }
-};
-using Manager = std::unique_ptr<kvo_manager, ManagerFree>;
-
 constexpr std::uint32_t kKeyLen = 8;
 
-Manager make_manager(std::uint32_t policy, std::uint64_t num_slots) {
-    kvo_manager_config cfg{};
-    if (kvo_manager_config_default(&cfg) != KVO_STATUS_OK) {
-        return nullptr;
-    }
+static_assert(!std::is_copy_constructible<kvo::Manager>::value, "handles are move-only");
+static_assert(std::is_nothrow_move_constructible<kvo::Manager>::value, "handles move");
+
+kvo::Manager make_manager(std::uint32_t policy, std::uint64_t num_slots) {
+    kvo_manager_config cfg = kvo::Manager::default_config();
     cfg.key_len = kKeyLen;
     cfg.policy = policy;
     cfg.num_slots = num_slots;
-    kvo_manager *raw = nullptr;
-    if (kvo_manager_new(&cfg, &raw) != KVO_STATUS_OK) {
-        return nullptr;
-    }
-    return Manager(raw);
+    return kvo::Manager::create(cfg);
 }
 
 // Integer keys, 8 bytes big-endian each, back to back.
@@ -58,114 +50,131 @@ std::uint64_t key_at(const std::vector<std::uint8_t> &buf, std::size_t i) {
     return v;
 }
 
-struct Store {
-    kvo_status status = KVO_STATUS_INTERNAL;
-    std::vector<std::uint32_t> indices, slots;
-    std::vector<std::uint8_t> evicted;
-    std::size_t n_store = 0, n_evicted = 0;
-};
+kvo_lookup lookup(kvo::Manager &m, std::uint64_t key) { return m.lookup(keys({key})); }
 
-Store prepare_store(const Manager &m, const std::vector<std::uint8_t> &k) {
-    const std::size_t n = k.size() / kKeyLen;
-    Store s;
-    s.indices.resize(n);
-    s.slots.resize(n);
-    s.evicted.resize(n * kKeyLen);
-    s.status = kvo_manager_prepare_store(m.get(), k.data(), n, s.indices.data(), s.slots.data(),
-                                         s.evicted.data(), n, &s.n_store, &s.n_evicted);
-    return s;
-}
-
-kvo_status complete_store(const Manager &m, const std::vector<std::uint8_t> &k, bool success) {
-    return kvo_manager_complete_store(m.get(), k.data(), k.size() / kKeyLen, success ? 1 : 0);
-}
-
-std::uint32_t lookup(const Manager &m, std::uint64_t key) {
-    const std::vector<std::uint8_t> k = keys({key});
-    std::uint32_t r = 12345;
-    CHECK_OK(kvo_manager_lookup(m.get(), k.data(), &r));
-    return r;
-}
-
-kvo_manager_stats stats(const Manager &m) {
-    kvo_manager_stats s{};
-    s.struct_size = sizeof s;
-    CHECK_OK(kvo_manager_get_stats(m.get(), &s));
-    return s;
+// The status a throwing call failed with (KVO_STATUS_OK if it did not throw).
+template <class F>
+kvo_status thrown(F f, std::string *message = nullptr) {
+    try {
+        f();
+    } catch (const kvo::Error &e) {
+        if (message) *message = e.what();
+        return e.status();
+    }
+    return KVO_STATUS_OK;
 }
 
 }  // namespace
 
 int main() {
-    CHECK(kvo_abi_version() == KVO_ABI_VERSION);
-    {
-        Manager none;  // an empty wrapper frees nothing
-    }
+    CHECK(kvo::abi_compatible());
+    CHECK(std::string(kvo::version()).size() > 0);
 
-    Manager m = make_manager(KVO_POLICY_ARC, 3);
-    CHECK(m != nullptr);
-    if (!m) {
-        std::printf("%d passed, %d failed\n", passed, failed);
-        return 1;
-    }
+    kvo::Manager m = make_manager(KVO_POLICY_ARC, 3);
+    CHECK(m.get() != nullptr && m.key_len() == kKeyLen);
 
-    Store s = prepare_store(m, keys({1, 2, 3}));
-    CHECK(s.status == KVO_STATUS_OK);
-    CHECK(s.n_store == 3 && s.n_evicted == 0);
+    kvo::StorePlan s = m.prepare_store(keys({1, 2, 3}));
+    CHECK(!s.no_room && s.evicted_keys.empty());
     CHECK((s.slots == std::vector<std::uint32_t>{0, 1, 2}));
+    CHECK((s.indices == std::vector<std::uint32_t>{0, 1, 2}));
     CHECK(lookup(m, 1) == KVO_LOOKUP_RETRY);
-    CHECK_OK(complete_store(m, keys({1, 2, 3}), true));
+    m.complete_store_at(keys({1, 2, 3}), s.slots, true);
     CHECK(lookup(m, 1) == KVO_LOOKUP_HIT);
     CHECK(lookup(m, 3) == KVO_LOOKUP_HIT);
     CHECK(lookup(m, 4) == KVO_LOOKUP_MISS);
 
-    std::size_t hits = 0;
-    std::uint32_t retry = 1;
-    const std::vector<std::uint8_t> prefix = keys({1, 2, 4, 3});
-    CHECK_OK(kvo_manager_lookup_prefix(m.get(), prefix.data(), 4, &hits, &retry));
-    CHECK(hits == 2 && retry == 0);
+    const kvo::PrefixHits p = m.lookup_prefix(keys({1, 2, 4, 3}));
+    CHECK(p.hits == 2 && !p.retry);
 
-    // Everything pinned by loads: no room for a new key, and nothing changes.
-    std::vector<std::uint32_t> load_slots(3, 0);
+    // Everything pinned by loads: no room for a new key (a normal answer), nothing changes.
     const std::vector<std::uint8_t> all = keys({1, 2, 3});
-    CHECK_OK(kvo_manager_prepare_load(m.get(), all.data(), 3, load_slots.data(), 3));
-    CHECK((load_slots == std::vector<std::uint32_t>{0, 1, 2}));
-    CHECK(stats(m).pinned == 3);
-    s = prepare_store(m, keys({4}));
-    CHECK_STATUS(s.status, KVO_STATUS_NO_ROOM);
-    CHECK(!last_error().empty());
-    CHECK(stats(m).used == 3);
+    CHECK((m.prepare_load(all) == std::vector<std::uint32_t>{0, 1, 2}));
+    CHECK(m.stats().pinned == 3);
+    s = m.prepare_store(keys({4}));
+    CHECK(s.no_room && s.slots.empty());
+    CHECK(m.stats().used == 3);
     CHECK(lookup(m, 4) == KVO_LOOKUP_MISS);
 
     // Released: 4 takes the slot of one evicted key (never a key it names itself).
-    CHECK_OK(kvo_manager_complete_load(m.get(), all.data(), 3));
-    const std::vector<std::uint8_t> touched = keys({2, 3});
-    CHECK_OK(kvo_manager_touch(m.get(), touched.data(), 2));  // 2 and 3 promoted: 1 goes first
-    s = prepare_store(m, keys({4, 2}));
-    CHECK(s.status == KVO_STATUS_OK);
-    CHECK(s.n_store == 1 && s.n_evicted == 1);
-    CHECK(s.n_evicted == 1 && key_at(s.evicted, 0) == 1);
-    CHECK(s.n_store == 1 && s.indices[0] == 0 && s.slots[0] == 0);
-    CHECK_OK(complete_store(m, keys({4}), true));
+    m.complete_load(all);
+    m.touch(keys({2, 3}));  // 2 and 3 promoted: 1 goes first
+    s = m.prepare_store(keys({4, 2}));
+    CHECK(!s.no_room && s.slots.size() == 1 && s.evicted_keys.size() == kKeyLen);
+    CHECK(s.evicted_keys.size() == kKeyLen && key_at(s.evicted_keys, 0) == 1);
+    CHECK(s.indices.size() == 1 && s.indices[0] == 0 && s.slots[0] == 0);
+    m.complete_store(keys({4}), true);
     CHECK(lookup(m, 4) == KVO_LOOKUP_HIT);
     CHECK(lookup(m, 1) == KVO_LOOKUP_MISS);
-    const kvo_manager_stats st = stats(m);
+    const kvo_manager_stats st = m.stats();
     CHECK(st.capacity == 3 && st.used == 3 && st.ready == 3 && st.evictions == 1);
-    CHECK_OK(kvo_manager_check_invariants(m.get()));
+    m.check_invariants();
+
+    // Errors: kvo::Error carries the status and the library's message, naming the argument.
+    std::string msg;
+    CHECK(thrown([&] { m.complete_load(keys({9})); }, &msg) == KVO_STATUS_NOT_FOUND);
+    CHECK(!msg.empty());
+    CHECK(thrown([&] { m.lookup(std::vector<std::uint8_t>(3)); }, &msg) ==
+          KVO_STATUS_INVALID_ARGUMENT);
+    CHECK(msg.find("key_len is 8") != std::string::npos);
+    CHECK(thrown([&] { m.touch(std::vector<std::uint8_t>(12)); }, &msg) ==
+          KVO_STATUS_INVALID_ARGUMENT);
+    CHECK(msg.find("keys: 12 bytes") != std::string::npos);
+    kvo_manager_config bad = kvo::Manager::default_config();
+    bad.key_len = 0;
+    CHECK(thrown([&] { (void)kvo::Manager::create(bad); }, &msg) ==
+          KVO_STATUS_INVALID_ARGUMENT);
+    CHECK(msg.find("key_len") != std::string::npos);
+
+    // The same without exceptions: try_ forms return a Result.
+    const kvo::Result<kvo::Manager> none = kvo::Manager::try_create(bad);
+    CHECK(!none.ok() && none.status().code() == KVO_STATUS_INVALID_ARGUMENT);
+    CHECK(none.status().message().find("key_len") != std::string::npos);
+    const kvo::Result<void> r = m.try_complete_load(keys({9}));
+    CHECK(!r.ok() && r.status().code() == KVO_STATUS_NOT_FOUND);
+    kvo::Result<kvo_lookup> l = m.try_lookup(keys({4}));
+    CHECK(l.ok() && l.value() == KVO_LOOKUP_HIT);
+
+    // Moves hand the handle over; the moved-from wrapper frees nothing.
+    kvo::Manager moved = std::move(m);
+    CHECK(lookup(moved, 4) == KVO_LOOKUP_HIT);
+    kvo::Manager other = make_manager(KVO_POLICY_LRU, 1);
+    other = std::move(moved);  // frees `other`'s manager, takes `moved`'s
+    CHECK(lookup(other, 4) == KVO_LOOKUP_HIT);
+
+    // Events through the wrapper, sized by the library.
+    kvo_manager_config ecfg = kvo::Manager::default_config();
+    ecfg.key_len = kKeyLen;
+    ecfg.num_slots = 2;
+    ecfg.enable_events = 1;
+    kvo::Manager e = kvo::Manager::create(ecfg);
+    e.complete_store(keys({5}), true);  // not prepared: ignored, no event
+    CHECK(!e.prepare_store(keys({5, 6})).no_room);
+    e.complete_store(keys({5, 6}), true);
+    const kvo::Events ev = e.take_events();
+    CHECK(ev.events.size() == 1 && ev.events[0].n_keys == 2 && ev.events[0].removed == 0);
+    CHECK(ev.keys.size() == 2 * kKeyLen && key_at(ev.keys, 0) == 5 && key_at(ev.keys, 1) == 6);
+    CHECK(e.take_events().events.empty());
+
+    // The metrics text.
+    const std::string text = e.metrics_text("kvo", {{"engine", "a"}});
+    CHECK(text.find("\nkvo_ready_slots{engine=\"a\"} 2\n") != std::string::npos);
+    CHECK(thrown([&] { (void)e.metrics_text("bad prefix"); }, &msg) ==
+          KVO_STATUS_INVALID_ARGUMENT);
+    CHECK(msg.find("prefix") != std::string::npos);
 
     // The last error is per thread: another thread's failure is not seen here.
     CHECK_STATUS(kvo_manager_reset(nullptr), KVO_STATUS_NULL_ARGUMENT);
     std::size_t other_len = 12345;
     std::thread([&other_len] {
-        kvo_manager_stats bad{};
-        bad.struct_size = 0;
+        kvo_manager_stats bad_stats{};
+        bad_stats.struct_size = 0;
         other_len = kvo_last_error_message(nullptr, 0);  // fresh thread: empty
-        if (kvo_manager_get_stats(nullptr, &bad) != KVO_STATUS_NULL_ARGUMENT) {
+        if (kvo_manager_get_stats(nullptr, &bad_stats) != KVO_STATUS_NULL_ARGUMENT) {
             other_len = 99999;
         }
     }).join();
     CHECK(other_len == 0);
-    CHECK(last_error().find("manager") != std::string::npos);
+    CHECK(kvo::last_error_message().find("manager") != std::string::npos);
 
     std::printf("%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;

@@ -1199,6 +1199,33 @@ static void test_output_contracts(void) {
     kvo_scheduler_free(s);
 }
 
+/* The scheduler's Prometheus text holds its own metrics and its tier's. */
+static void test_metrics_text(void) {
+    kvo_scheduler_config c;
+    CHECK_OK(kvo_scheduler_config_default(&c));
+    c.num_slots = 8;
+    kvo_scheduler *s = NULL;
+    CHECK_OK(kvo_scheduler_new(&c, &s));
+    if (s == NULL) {
+        return;
+    }
+    char text[16384];
+    size_t len = 0;
+    CHECK_OK(kvo_scheduler_metrics_text(s, "vllm:kv_offload", NULL, 0, text, sizeof text, &len));
+    CHECK(len == strlen(text));
+    CHECK(strstr(text, "\nvllm:kv_offload_deferred_matches_total{reason=\"jobs_in_flight\"} 0\n") != NULL);
+    CHECK(strstr(text, "\nvllm:kv_offload_host_slots 8\n") != NULL);
+    CHECK(strstr(text, "\nvllm:kv_offload_requests 0\n") != NULL);
+    size_t keep = 5;
+    CHECK_STATUS(kvo_scheduler_metrics_text(NULL, "p", NULL, 0, text, sizeof text, &keep),
+                 KVO_STATUS_NULL_ARGUMENT, "scheduler");
+    const kvo_label reason[1] = {{"reason", "x"}};
+    CHECK_STATUS(kvo_scheduler_metrics_text(s, "p", reason, 1, text, sizeof text, &keep),
+                 KVO_STATUS_INVALID_ARGUMENT, "labels[0].name");
+    CHECK(keep == 5);
+    kvo_scheduler_free(s);
+}
+
 int main(void) {
     test_config_default();
     test_life_cycle();
@@ -1208,6 +1235,7 @@ int main(void) {
     test_bad_config();
     test_bad_inputs();
     test_output_contracts();
+    test_metrics_text();
     printf("%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
 }

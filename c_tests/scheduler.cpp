@@ -1,14 +1,16 @@
-// The scheduler and step C API from C++17 through RAII handles (std::unique_ptr with custom
-// deleters): request 1 offloads its prompt, request 2 shares the prefix and loads it; each step
-// plan goes through kvo_step_encode / kvo_step_decode as it would to a worker process. Then
-// four threads drive their own requests on one shared scheduler. Prints one line per failed
-// check and `N passed, M failed`; exits non-zero on any failure. Compiled and run by
-// tests/c_api.rs.
-#include "kvoffload.h"
+// The scheduler and step through kvoffload.hpp: request 1 offloads its prompt, request 2 shares
+// the prefix and loads it; each step plan goes through encode / decode as it would to a worker
+// process. Then four threads drive their own requests on one shared scheduler, and a worker
+// executes a plan. Prints one line per failed check and `N passed, M failed`; exits non-zero on
+// any failure. Compiled and run by tests/c_api.rs.
+#include "kvoffload.hpp"
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,43 +19,18 @@ namespace {
 
 #include "check.hpp"
 
-// The RAII handles: each is freed exactly once, whatever path leaves the scope.
-struct SchedulerFree {
-    void operator()(kvo_scheduler *s) const noexcept { kvo_scheduler_free(s); }
-};
-struct StepFree {
-    void operator()(kvo_step *s) const noexcept { kvo_step_free(s); }
-};
-using Scheduler = std::unique_ptr<kvo_scheduler, SchedulerFree>;
-using Step = std::unique_ptr<kvo_step, StepFree>;
-
 constexpr std::uint32_t kKeyLen = 8;
 constexpr std::uint32_t kBlockTokens = 4;  // a chunk is 3 blocks = 12 tokens
 
-Scheduler make_scheduler() {
-    kvo_scheduler_config cfg{};
-    if (kvo_scheduler_config_default(&cfg) != KVO_STATUS_OK) {
-        return nullptr;
-    }
+kvo::Scheduler make_scheduler() {
+    kvo_scheduler_config cfg = kvo::Scheduler::default_config();
     cfg.key_len = kKeyLen;
     cfg.gpu_block_size = kBlockTokens;
     cfg.block_size_factor = 3;
     cfg.num_slots = 1000;
     cfg.offload_prompt_only = 0;
     cfg.enable_events = 1;
-    kvo_scheduler *raw = nullptr;
-    if (kvo_scheduler_new(&cfg, &raw) != KVO_STATUS_OK) {
-        return nullptr;
-    }
-    return Scheduler(raw);
-}
-
-Step make_step() {
-    kvo_step *raw = nullptr;
-    if (kvo_step_new(&raw) != KVO_STATUS_OK) {
-        return nullptr;
-    }
-    return Step(raw);
+    return kvo::Scheduler::create(cfg);
 }
 
 // Hashes of GPU blocks [0, n) of prompt family `seed`: 8 bytes big-endian each.
@@ -76,19 +53,9 @@ std::vector<std::uint32_t> range(std::uint32_t from, std::uint32_t to) {
     return out;
 }
 
-kvo_status add(const Scheduler &s, std::uint64_t id, std::uint64_t seed, std::uint64_t tokens) {
-    const kvo_status st = kvo_scheduler_add_request(s.get(), id, tokens, KVO_NO_LIMIT);
-    if (st != KVO_STATUS_OK) {
-        return st;
-    }
-    const std::vector<std::uint8_t> h = hashes(seed, tokens / kBlockTokens);
-    return kvo_scheduler_append_block_hashes(s.get(), id, h.data(), h.size() / kKeyLen, tokens);
-}
-
-kvo_match_result match(const Scheduler &s, std::uint64_t id, std::uint64_t gpu_hit) {
-    kvo_match_result r{99, 99, 99};
-    CHECK_OK(kvo_scheduler_match(s.get(), id, gpu_hit, &r));
-    return r;
+void add(kvo::Scheduler &s, std::uint64_t id, std::uint64_t seed, std::uint64_t tokens) {
+    s.add_request(id, tokens);
+    s.append_block_hashes(id, hashes(seed, tokens / kBlockTokens), tokens);
 }
 
 kvo_scheduled_request scheduled(std::uint64_t id, std::uint64_t computed, std::uint64_t n,
@@ -109,87 +76,60 @@ struct Job {
     std::vector<std::uint32_t> src, dst;
 };
 
-std::vector<Job> jobs(const Step &step) {
-    kvo_step_info info{};
+std::vector<Job> jobs(const kvo::Step &step) {
     std::vector<Job> out;
-    if (kvo_step_get_info(step.get(), &info) != KVO_STATUS_OK) {
-        return out;
-    }
-    for (std::size_t i = 0; i < info.num_jobs; ++i) {
-        Job j;
-        CHECK_OK(kvo_step_get_job(step.get(), i, &j.info));
-        j.src.resize(j.info.n_src);
-        j.dst.resize(j.info.n_dst);
-        CHECK_OK(kvo_step_get_job_blocks(step.get(), i, j.src.data(), j.src.size(), j.dst.data(),
-                                         j.dst.size()));
-        out.push_back(std::move(j));
+    for (std::size_t i = 0; i < step.info().num_jobs; ++i) {
+        const kvo::Step::Blocks b = step.job_blocks(i);
+        out.push_back(Job{step.job(i), b.src, b.dst});
     }
     return out;
 }
 
 // Ships `plan` to a fresh step as bytes, as to a worker process.
-Step ship(const Step &plan) {
-    std::size_t len = 0;
-    CHECK_STATUS(kvo_step_encode(plan.get(), nullptr, 0, &len), KVO_STATUS_BUFFER_TOO_SMALL);
-    std::vector<std::uint8_t> bytes(len);
-    CHECK_OK(kvo_step_encode(plan.get(), bytes.data(), bytes.size(), &len));
-    CHECK(len == bytes.size());
-    Step worker = make_step();
-    CHECK(worker != nullptr);
-    if (!worker) {
-        return worker;
-    }
-    CHECK_OK(kvo_step_decode(worker.get(), bytes.data(), bytes.size()));
-    bytes.pop_back();  // truncated: refused
-    CHECK_STATUS(kvo_step_decode(worker.get(), bytes.data(), bytes.size()),
-                 KVO_STATUS_CORRUPT_DATA);
+kvo::Step ship(const kvo::Step &plan) {
+    std::vector<std::uint8_t> bytes = plan.encode();
+    kvo::Step worker = kvo::Step::create();
+    worker.decode(bytes);
+    bytes.pop_back();  // truncated: refused, the plan unchanged
+    const kvo::Result<void> r = worker.try_decode(bytes);
+    CHECK(!r.ok() && r.status().code() == KVO_STATUS_CORRUPT_DATA);
+    CHECK(worker.info().num_jobs == plan.info().num_jobs);
     return worker;
 }
 
-kvo_status complete(const Scheduler &s, std::uint64_t job_id) {
+void complete(kvo::Scheduler &s, std::uint64_t job_id) {
     const kvo_job_report r{job_id, 1, 1};
-    return kvo_scheduler_complete_jobs(s.get(), &r, 1);
-}
-
-kvo_scheduler_stats stats(const Scheduler &s) {
-    kvo_scheduler_stats st{};
-    st.struct_size = sizeof st;
-    CHECK_OK(kvo_scheduler_get_stats(s.get(), &st));
-    return st;
+    s.complete_jobs({&r, 1});
 }
 
 // One thread's requests on the shared scheduler: each stores its 24-token prompt (2 chunks).
-// Returns the number of store jobs that went wrong.
-int store_requests(kvo_scheduler *s, std::uint64_t first_id, int n) {
+// Returns the number of store jobs that went wrong. Uses the non-throwing forms.
+int store_requests(kvo::Scheduler &s, std::uint64_t first_id, int n) {
     int bad = 0;
-    kvo_step *raw = nullptr;
-    if (kvo_step_new(&raw) != KVO_STATUS_OK) {
+    kvo::Result<kvo::Step> made = kvo::Step::try_create();
+    if (!made.ok()) {
         return n;
     }
-    const Step step(raw);
+    kvo::Step step = std::move(made).value();
     const std::uint32_t base = static_cast<std::uint32_t>(first_id);
     const std::vector<std::uint32_t> blocks = range(base, base + 6);
     for (std::uint64_t id = first_id; id < first_id + static_cast<std::uint64_t>(n); ++id) {
-        const std::vector<std::uint8_t> h = hashes(id, 6);
-        kvo_match_result m{};
-        kvo_job_info info{};
-        kvo_step_info si{};
         const kvo_scheduled_request r = scheduled(id, 0, 24, 24, blocks);
-        const bool ok = kvo_scheduler_add_request(s, id, 24, KVO_NO_LIMIT) == KVO_STATUS_OK &&
-                        kvo_scheduler_append_block_hashes(s, id, h.data(), 6, 24) ==
-                            KVO_STATUS_OK &&
-                        kvo_scheduler_match(s, id, 0, &m) == KVO_STATUS_OK &&
-                        m.kind == KVO_MATCH_MISS &&
-                        kvo_scheduler_build_step(s, &r, 1, nullptr, 0, step.get()) ==
-                            KVO_STATUS_OK &&
-                        kvo_step_get_info(step.get(), &si) == KVO_STATUS_OK &&
-                        si.num_jobs == 1 &&
-                        kvo_step_get_job(step.get(), 0, &info) == KVO_STATUS_OK &&
-                        info.request_id == id && info.kind == KVO_JOB_KIND_STORE &&
-                        info.n_dst == 2;
-        const kvo_job_report rep{info.id, 1, 1};
-        if (!ok || kvo_scheduler_complete_jobs(s, &rep, 1) != KVO_STATUS_OK ||
-            kvo_scheduler_finish_request(s, id) != KVO_STATUS_OK) {
+        kvo::Result<kvo_match_result> m{kvo::Status()};
+        kvo::Result<kvo_job_info> info{kvo::Status()};
+        const bool ok = s.try_add_request(id, 24).ok() &&
+                        s.try_append_block_hashes(id, hashes(id, 6), 24).ok() &&
+                        (m = s.try_match(id, 0)).ok() && m.value().kind == KVO_MATCH_MISS &&
+                        s.try_build_step({&r, 1}, {}, step).ok() &&
+                        step.try_info().ok() && step.try_info().value().num_jobs == 1 &&
+                        (info = step.try_job(0)).ok() && info.value().request_id == id &&
+                        info.value().kind == KVO_JOB_KIND_STORE && info.value().n_dst == 2;
+        if (!ok) {
+            ++bad;
+            continue;
+        }
+        const kvo_job_report rep{info.value().id, 1, 1};
+        if (!s.try_complete_jobs({&rep, 1}).ok() || !s.try_finish_request(id).ok()) {
             ++bad;
         }
     }
@@ -198,31 +138,19 @@ int store_requests(kvo_scheduler *s, std::uint64_t first_id, int n) {
 
 }  // namespace
 
-int main() {
-    {
-        Scheduler none;  // empty wrappers free nothing
-        Step none_step;
-    }
-    Scheduler s = make_scheduler();
-    Step plan = make_step();
-    CHECK(s != nullptr && plan != nullptr);
-    if (!s || !plan) {
-        std::printf("%d passed, %d failed\n", passed, failed);
-        return 1;
-    }
+int main() try {
+    kvo::Scheduler s = make_scheduler();
+    kvo::Step plan = kvo::Step::create();
 
     // Request 1 (24 tokens, 2 chunks) offloads its prompt from GPU blocks 10..15.
-    CHECK_OK(add(s, 1, 1, 24));
-    kvo_match_result m = match(s, 1, 0);
+    add(s, 1, 1, 24);
+    kvo_match_result m = s.match(1, 0);
     CHECK(m.kind == KVO_MATCH_MISS && m.tokens == 0);
     const std::vector<std::uint32_t> b1 = range(10, 16);
-    std::uint32_t has_job = 9;
-    std::uint64_t job = 99;
-    CHECK_OK(kvo_scheduler_on_alloc(s.get(), 1, b1.data(), b1.size(), 0, &has_job, &job));
-    CHECK(has_job == 0 && job == 99);
+    CHECK(!s.on_alloc(1, b1, 0).has_value());
     const kvo_scheduled_request r1 = scheduled(1, 0, 24, 24, b1);
-    CHECK_OK(kvo_scheduler_build_step(s.get(), &r1, 1, nullptr, 0, plan.get()));
-    Step worker = ship(plan);
+    s.build_step({&r1, 1}, {}, plan);
+    kvo::Step worker = ship(plan);
     std::vector<Job> js = jobs(worker);
     CHECK(js.size() == 1);
     if (js.size() == 1) {
@@ -230,42 +158,55 @@ int main() {
         CHECK(js[0].info.block_index == 0 && js[0].info.group_size == 6);
         CHECK(js[0].src == b1);
         CHECK((js[0].dst == std::vector<std::uint32_t>{0, 1}));
-        CHECK_OK(complete(s, js[0].info.id));
+        complete(s, js[0].info.id);
     }
-    CHECK_OK(kvo_scheduler_finish_request(s.get(), 1));
+    s.finish_request(1);
+    const kvo::Events ev = s.take_events();
+    CHECK(ev.events.size() == 1 && ev.events[0].n_keys == 2 && ev.keys.size() == 2 * kKeyLen);
 
     // Request 2 (30 tokens) shares the prefix: its 24 offloaded tokens load into blocks 20..25.
-    CHECK_OK(add(s, 2, 1, 30));
-    m = match(s, 2, 0);
+    add(s, 2, 1, 30);
+    m = s.match(2, 0);
     CHECK(m.kind == KVO_MATCH_HIT && m.tokens == 24);
     const std::vector<std::uint32_t> b2 = range(20, 28);
-    CHECK_OK(kvo_scheduler_on_alloc(s.get(), 2, b2.data(), b2.size(), 24, &has_job, &job));
-    CHECK(has_job == 1);
-    CHECK_OK(kvo_scheduler_build_step(s.get(), nullptr, 0, nullptr, 0, plan.get()));
+    const std::optional<std::uint64_t> job = s.on_alloc(2, b2, 24);
+    CHECK(job.has_value());
+    s.build_step({}, {}, plan);
+    CHECK(plan.flush().empty());
     worker = ship(plan);
     js = jobs(worker);
     CHECK(js.size() == 1);
-    if (js.size() == 1) {
-        CHECK(js[0].info.id == job && js[0].info.kind == KVO_JOB_KIND_LOAD);
+    if (js.size() == 1 && job) {
+        CHECK(js[0].info.id == *job && js[0].info.kind == KVO_JOB_KIND_LOAD);
         CHECK(js[0].info.request_id == 2 && js[0].info.block_index == 0);
         CHECK((js[0].src == std::vector<std::uint32_t>{0, 1}));
         CHECK(js[0].dst == range(20, 26));
+        complete(s, *job);
     }
-    CHECK_OK(complete(s, job));
+    CHECK(!s.load_failure(2).has_value());
     const kvo_scheduled_request r2 = scheduled(2, 24, 6, 30, b2);
-    CHECK_OK(kvo_scheduler_build_step(s.get(), &r2, 1, nullptr, 0, plan.get()));
+    s.build_step({&r2, 1}, {}, plan);
     CHECK(jobs(ship(plan)).empty());  // the loaded chunks are not stored again
-    CHECK_OK(kvo_scheduler_finish_request(s.get(), 2));
+    s.finish_request(2);
 
-    kvo_scheduler_stats st = stats(s);
+    kvo_scheduler_stats st = s.stats();
     CHECK(st.hits == 1 && st.hit_tokens == 24 && st.load_jobs == 1 && st.store_jobs == 1);
     CHECK(st.requests == 0 && st.loads_in_flight == 0 && st.stores_in_flight == 0);
     CHECK(st.manager.pinned == 0 && st.manager.ready == 2);
-    CHECK_OK(kvo_scheduler_check_invariants(s.get()));
+    s.check_invariants();
+    const std::string text = s.metrics_text("vllm:kv_offload", {{"engine", "0"}});
+    CHECK(text.find("\nvllm:kv_offload_match_hits_total{engine=\"0\"} 1\n") != std::string::npos);
+    CHECK(text.find("\nvllm:kv_offload_ready_slots{engine=\"0\"} 2\n") != std::string::npos);
 
-    // Errors: a status, a message on this thread only.
-    CHECK_STATUS(kvo_scheduler_finish_request(s.get(), 2), KVO_STATUS_NOT_FOUND);
-    CHECK(last_error().find("request_id") != std::string::npos);
+    // Errors: kvo::Error with the status and a message naming the argument; this thread only.
+    try {
+        s.finish_request(2);
+        CHECK(false);
+    } catch (const kvo::Error &e) {
+        CHECK(e.status() == KVO_STATUS_NOT_FOUND);
+        CHECK(std::string(e.what()).find("request_id") != std::string::npos);
+    }
+    CHECK(kvo::last_error_message().find("request_id") != std::string::npos);
 
     // Four threads, each with its own requests and step handle, on the shared scheduler.
     constexpr int kThreads = 4, kPerThread = 25;
@@ -273,8 +214,7 @@ int main() {
     std::vector<std::thread> threads;
     for (int t = 0; t < kThreads; ++t) {
         threads.emplace_back([&s, &bad, t] {
-            bad[t] = store_requests(s.get(), 1000 + static_cast<std::uint64_t>(t) * 100,
-                                    kPerThread);
+            bad[t] = store_requests(s, 1000 + static_cast<std::uint64_t>(t) * 100, kPerThread);
         });
     }
     for (std::thread &t : threads) {
@@ -283,11 +223,15 @@ int main() {
     for (int t = 0; t < kThreads; ++t) {
         CHECK(bad[t] == 0);
     }
-    st = stats(s);
+    st = s.stats();
     CHECK(st.requests == 0 && st.store_jobs == 1 + kThreads * kPerThread);
     CHECK(st.manager.ready == 2 + 2 * kThreads * kPerThread && st.stores_in_flight == 0);
-    CHECK_OK(kvo_scheduler_check_invariants(s.get()));
+    s.check_invariants();
 
     std::printf("%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
+} catch (const kvo::Error &e) {
+    std::printf("FAIL: kvo::Error %d: %s\n%d passed, %d failed\n", static_cast<int>(e.status()),
+                e.what(), passed, failed + 1);
+    return 1;
 }

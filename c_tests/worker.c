@@ -1213,8 +1213,257 @@ static void test_cuda(void) {
     tensor_free(&t0);
 }
 
+/* A plan's stores read what its forward pass writes: kvo_worker_submit_step holds them until the
+ * next plan, kvo_worker_submit_stores or a wait naming them, so the host tier gets the KV the
+ * forward pass wrote after submit_step returned. */
+static void test_stores_follow_the_forward_pass(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 23);
+    kvo_worker_config c = wcfg(1, SLOTS);
+    kvo_worker *w = NEW_WORKER(&c, &t0.t, 1, NULL);
+    kvo_scheduler_config sc;
+    CHECK_OK(kvo_scheduler_config_default(&sc));
+    sc.key_len = KEY_LEN;
+    sc.gpu_block_size = GBS;
+    sc.num_slots = SLOTS;
+    kvo_scheduler *s = NULL;
+    kvo_step *st = NULL;
+    CHECK_OK(kvo_scheduler_new(&sc, &s));
+    CHECK_OK(kvo_step_new(&st));
+    if (s == NULL || st == NULL) {
+        exit(1);
+    }
+    add_request(s, 1, 6, 8);
+    kvo_match_result m;
+    CHECK_OK(kvo_scheduler_match(s, 1, 0, &m));
+    uint32_t has_job = 0;
+    uint64_t none = 0;
+    const uint32_t b[2] = {5, 6};
+    CHECK_OK(kvo_scheduler_on_alloc(s, 1, b, 2, 0, &has_job, &none));
+    kvo_scheduled_request r = {.request_id = 1, .num_scheduled_tokens = 8, .num_tokens = 8,
+                               .new_block_ids = b, .n_new_block_ids = 2};
+    CHECK_OK(kvo_scheduler_build_step(s, &r, 1, NULL, 0, st));
+    job_t j = get_job(st, 0);
+    CHECK(j.info.kind == KVO_JOB_KIND_STORE && j.info.n_dst == 2);
+    CHECK_OK(kvo_worker_submit_step(w, st, 0));
+    /* The forward pass writes blocks 5 and 6 after submit_step returned. */
+    memset(block(&t0, 5), 0x5A, PAGE0);
+    memset(block(&t0, 6), 0x6B, PAGE0);
+    kvo_completion out[4];
+    size_t n = 9;
+    CHECK_OK(kvo_worker_poll(w, out, 4, &n));
+    CHECK(n == 0); /* held, not run */
+    CHECK_OK(kvo_worker_submit_stores(w));
+    done_t d = WAIT_POLL(w, j.info.id);
+    CHECK_DONE(d, j.info.id, 1, 2 * PAGE0);
+    uint8_t *host = host_buf_(w, 0, (size_t)SLOTS * PAGE0, __LINE__);
+    uint8_t want5[PAGE0], want6[PAGE0];
+    memset(want5, 0x5A, PAGE0);
+    memset(want6, 0x6B, PAGE0);
+    CHECK(bytes_are(host + sub_off(j.dst[0], 0, PAGE0, 1), want5, PAGE0, "slot of block 5"));
+    CHECK(bytes_are(host + sub_off(j.dst[1], 0, PAGE0, 1), want6, PAGE0, "slot of block 6"));
+    CHECK_STATUS(kvo_worker_submit_stores(NULL), KVO_STATUS_NULL_ARGUMENT, "worker");
+    CHECK_OK(kvo_worker_shutdown(w));
+    CHECK_STATUS(kvo_worker_submit_stores(w), KVO_STATUS_INVALID_STATE, "shut down");
+    kvo_step_free(st);
+    kvo_scheduler_free(s);
+    kvo_worker_free(w);
+    tensor_free(&t0);
+}
+
+/* Every failed job's message is there after the poll that hands it out, however many failed;
+ * the next poll that hands out jobs replaces them. */
+static void test_many_failed_jobs(void) {
+    enum { N = 3000 };
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 31);
+    kvo_worker_config c = wcfg(1, SLOTS);
+    kvo_worker *w = NEW_WORKER(&c, &t0.t, 1, NULL);
+    int submitted = 1;
+    for (uint64_t id = 0; id < N; id++) {
+        /* KV block 999 is outside the registration. */
+        submitted &= kvo_worker_submit_job(w, id, KVO_JOB_KIND_STORE, U32S(999), U32S(0), 0, 0) ==
+                     KVO_STATUS_OK;
+    }
+    CHECK(submitted);
+    kvo_completion *done = calloc(N, sizeof *done);
+    size_t n = 0, got = 0;
+    while (got < N) {
+        CHECK_OK(kvo_worker_poll(w, done + got, N - got, &n));
+        got += n;
+        if (n == 0) break;
+    }
+    CHECK(got == N);
+    /* All in one poll: the failures are reported at the first poll after submission. */
+    CHECK(n == N);
+    int all = 1;
+    char buf[256];
+    for (size_t i = 0; i < N; i++) {
+        size_t len = 0;
+        all &= done[i].success == 0;
+        all &= kvo_worker_job_error(w, done[i].job_id, buf, sizeof buf, &len) == KVO_STATUS_OK;
+        all &= strstr(buf, "999") != NULL && len == strlen(buf);
+    }
+    CHECK(all);
+    CHECK_OK(kvo_worker_submit_job(w, N, KVO_JOB_KIND_STORE, U32S(1), U32S(0), 0, 0));
+    done_t d = WAIT_POLL(w, N);
+    CHECK_DONE(d, N, 1, PAGE0);
+    size_t len = 0;
+    CHECK_STATUS(kvo_worker_job_error(w, 0, buf, sizeof buf, &len), KVO_STATUS_NOT_FOUND,
+                 "latest poll");
+    free(done);
+    kvo_worker_free(w);
+    tensor_free(&t0);
+}
+
+/* Per-layer views into one allocation whose pages interleave without sharing a byte are
+ * accepted; views that share bytes are refused. */
+static void test_interleaved_views(void) {
+    tensor_t all = tensor_new(16, 8192, 8192, 32);
+    kvo_kv_tensor layers[2] = {all.t, all.t};
+    layers[0].page_size = layers[1].page_size = 4096;
+    layers[1].base += 4096;
+    layers[0].num_blocks = layers[1].num_blocks = 16;
+    kvo_worker_config c = wcfg(1, 4);
+    kvo_worker *w = NEW_WORKER(&c, layers, 2, NULL);
+    /* A job copies its block of every layer: 2 pages. */
+    CHECK_OK(kvo_worker_submit_job(w, 1, KVO_JOB_KIND_STORE, U32S(3), U32S(0), 0, 0));
+    CHECK_OK(kvo_worker_submit_job(w, 2, KVO_JOB_KIND_STORE, U32S(5), U32S(1), 0, 0));
+    done_t d = WAIT_POLL(w, 1, 2);
+    CHECK_DONE(d, 1, 1, 2 * 4096);
+    CHECK_DONE(d, 2, 1, 2 * 4096);
+    uint8_t *h0 = HOST_BUF(w, 0, 4 * 4096), *h1 = HOST_BUF(w, 1, 4 * 4096);
+    CHECK(bytes_are(h0, orig_block(&all, 3), 4096, "layer 0, block 3"));
+    CHECK(bytes_are(h1, orig_block(&all, 3) + 4096, 4096, "layer 1, block 3"));
+    CHECK(bytes_are(h0 + 4096, orig_block(&all, 5), 4096, "layer 0, block 5"));
+    CHECK(bytes_are(h1 + 4096, orig_block(&all, 5) + 4096, 4096, "layer 1, block 5"));
+    kvo_worker_free(w);
+
+    kvo_worker *sentinel = (kvo_worker *)&c, *out = sentinel;
+    layers[1].base -= 8; /* layer 1's pages now start in layer 0's last 8 bytes */
+    CHECK_STATUS(kvo_worker_new(&c, layers, 2, NULL, &out), KVO_STATUS_INVALID_ARGUMENT,
+                 "tensors[1] overlaps tensors[0]");
+    layers[1].base += 8;
+    layers[1].page_size = 4104; /* layer 1's pages reach into layer 0's next page */
+    CHECK_STATUS(kvo_worker_new(&c, layers, 2, NULL, &out), KVO_STATUS_INVALID_ARGUMENT,
+                 "tensors[1] overlaps tensors[0]");
+    CHECK(out == sentinel);
+    tensor_free(&all);
+}
+
+/* 11. Stats per direction and the Prometheus text: values, labels, and the argument checks. */
+static void test_stats_and_metrics(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 11);
+    tensor_t t1 = tensor_new(NBLOCKS, STRIDE1, PAGE1, 12);
+    const kvo_kv_tensor ts[2] = {t0.t, t1.t};
+    kvo_worker_config c = wcfg(1, SLOTS);
+    kvo_worker *w = NEW_WORKER(&c, ts, 2, NULL);
+
+    kvo_worker_stats st;
+    memset(&st, 0xAB, sizeof st);
+    st.struct_size = sizeof st;
+    CHECK_OK(kvo_worker_get_stats(w, &st));
+    CHECK(st.struct_size == sizeof st && st.load.jobs == 0 && st.store.bytes == 0 &&
+          st.jobs_in_flight == 0 && st.load.size_buckets[KVO_SIZE_BUCKETS - 1] == 0);
+
+    CHECK_OK(kvo_worker_submit_job(w, 1, KVO_JOB_KIND_STORE, U32S(0, 1), U32S(0, 1), 0, 0));
+    CHECK_OK(kvo_worker_submit_job(w, 2, KVO_JOB_KIND_STORE, U32S(NBLOCKS), U32S(2), 0, 0));
+    CHECK_OK(kvo_worker_submit_job(w, 3, KVO_JOB_KIND_LOAD, U32S(0), U32S(5), 0, 0));
+    CHECK_OK(kvo_worker_get_stats(w, &st));
+    CHECK(st.jobs_in_flight == 3);
+    done_t d = WAIT_POLL(w, 1, 2, 3);
+    CHECK(d.n == 3);
+    CHECK_OK(kvo_worker_get_stats(w, &st));
+    CHECK(st.jobs_in_flight == 0);
+    CHECK(st.store.jobs == 2 && st.store.failed_jobs == 1 && st.store.bytes == 2 * PAGES);
+    CHECK(st.load.jobs == 1 && st.load.failed_jobs == 0 && st.load.bytes == PAGES);
+    CHECK(st.store.seconds >= 0.0 && st.load.seconds >= 0.0);
+    CHECK(st.store.size_buckets[0] == 1 && st.load.size_buckets[0] == 1);
+
+    /* An older, shorter struct gets only its own bytes. */
+    struct {
+        size_t struct_size;
+        kvo_transfer_stats load;
+        uint64_t canary;
+    } old;
+    old.struct_size = offsetof(kvo_worker_stats, store);
+    old.canary = 77;
+    CHECK_OK(kvo_worker_get_stats(w, (kvo_worker_stats *)(void *)&old));
+    CHECK(old.struct_size == offsetof(kvo_worker_stats, store) && old.load.jobs == 1 &&
+          old.canary == 77);
+
+    CHECK_STATUS(kvo_worker_get_stats(NULL, &st), KVO_STATUS_NULL_ARGUMENT, "worker");
+    CHECK_STATUS(kvo_worker_get_stats(w, NULL), KVO_STATUS_NULL_ARGUMENT, "out");
+    st.struct_size = 2;
+    CHECK_STATUS(kvo_worker_get_stats(w, &st), KVO_STATUS_INVALID_ARGUMENT, "struct_size");
+
+    /* The text: asked for its length first, then rendered. */
+    const kvo_label labels[2] = {{"engine", "e\"0"}, {"rank", "3"}};
+    size_t len = 0;
+    CHECK_STATUS(kvo_worker_metrics_text(w, "vllm:kv_offload", labels, 2, NULL, 0, &len),
+                 KVO_STATUS_BUFFER_TOO_SMALL, "cap");
+    CHECK(len > 0);
+    char *text = malloc(len + 1);
+    size_t got = 0;
+    CHECK_STATUS(kvo_worker_metrics_text(w, "vllm:kv_offload", labels, 2, text, len, &got),
+                 KVO_STATUS_BUFFER_TOO_SMALL, "cap");
+    CHECK(got == len);
+    memset(text, 'x', len + 1);
+    CHECK_OK(kvo_worker_metrics_text(w, "vllm:kv_offload", labels, 2, text, len + 1, &got));
+    CHECK(got == len && text[len] == '\0' && strlen(text) == len);
+    CHECK(strstr(text, "\nvllm:kv_offload_store_bytes_total{engine=\"e\\\"0\",rank=\"3\"} " "208\n") !=
+          NULL);
+    CHECK(strstr(text, "\nvllm:kv_offload_store_failed_jobs_total{engine=\"e\\\"0\",rank=\"3\"} 1\n") !=
+          NULL);
+    CHECK(strstr(text, "\nvllm:kv_offload_load_size_bucket{engine=\"e\\\"0\",rank=\"3\",le=\"1000000\"} 1\n") !=
+          NULL);
+    CHECK(strstr(text, "# TYPE vllm:kv_offload_load_size histogram\n") != NULL);
+    free(text);
+
+    /* Bad arguments: named, and nothing written. */
+    char small[8] = "keep";
+    size_t keep = 99;
+    CHECK_STATUS(kvo_worker_metrics_text(NULL, "p", NULL, 0, small, 8, &keep),
+                 KVO_STATUS_NULL_ARGUMENT, "worker");
+    CHECK_STATUS(kvo_worker_metrics_text(w, NULL, NULL, 0, small, 8, &keep),
+                 KVO_STATUS_NULL_ARGUMENT, "prefix");
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", NULL, 0, small, 8, NULL),
+                 KVO_STATUS_NULL_ARGUMENT, "out_len");
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", NULL, 1, small, 8, &keep),
+                 KVO_STATUS_NULL_ARGUMENT, "labels");
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", NULL, 0, NULL, 1 << 20, &keep),
+                 KVO_STATUS_NULL_ARGUMENT, "buf");
+    const kvo_label no_value[1] = {{"engine", NULL}};
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", no_value, 1, small, 8, &keep),
+                 KVO_STATUS_NULL_ARGUMENT, "labels[0].value");
+    CHECK_STATUS(kvo_worker_metrics_text(w, "9p", NULL, 0, small, 8, &keep),
+                 KVO_STATUS_INVALID_ARGUMENT, "prefix");
+    const kvo_label bad_name[2] = {{"engine", "0"}, {"a-b", "1"}};
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", bad_name, 2, small, 8, &keep),
+                 KVO_STATUS_INVALID_ARGUMENT, "labels");
+    const kvo_label twice[2] = {{"rank", "0"}, {"rank", "1"}};
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", twice, 2, small, 8, &keep),
+                 KVO_STATUS_INVALID_ARGUMENT, "labels[1].name");
+    const kvo_label le[1] = {{"le", "0"}};
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", le, 1, small, 8, &keep),
+                 KVO_STATUS_INVALID_ARGUMENT, "labels[0].name");
+    const kvo_label not_utf8[1] = {{"engine", "\xff"}};
+    CHECK_STATUS(kvo_worker_metrics_text(w, "p", not_utf8, 1, small, 8, &keep),
+                 KVO_STATUS_INVALID_ARGUMENT, "labels[0].value");
+    CHECK(keep == 99 && strcmp(small, "keep") == 0);
+    /* An empty prefix: bare names. */
+    char big[16384];
+    CHECK_OK(kvo_worker_metrics_text(w, "", NULL, 0, big, sizeof big, &got));
+    CHECK(strncmp(big, "# HELP load_bytes_total ", 24) == 0);
+
+    kvo_worker_free(w);
+    tensor_free(&t0);
+    tensor_free(&t1);
+}
+
 int main(void) {
     test_config_default();
+    test_many_failed_jobs();
+    test_interleaved_views();
+    test_stores_follow_the_forward_pass();
     test_store_load();
     test_fifo();
     test_large_job();
@@ -1225,6 +1474,7 @@ int main(void) {
     test_bad_calls();
     test_step_after_shutdown();
     test_cuda();
+    test_stats_and_metrics();
     printf("%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
 }

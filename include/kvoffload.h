@@ -9,8 +9,11 @@
 #include <stdint.h>
 /*
  * Thread-safety: every function may be called from any thread. Each handle serializes its own
- * calls. kvo_*_free must not race with any other call on the same handle. The library never calls
- * back into the host from its own threads: completions are polled.
+ * calls, except that a thread blocked waiting for a worker's jobs (kvo_worker_wait, the flush of
+ * kvo_worker_submit_step, a synchronous kvo_worker_swap_blocks, kvo_worker_shutdown) does not
+ * block other calls on that worker. kvo_*_free must not race with any other call on the same
+ * handle. The library never calls back into the host from its own threads: completions are
+ * polled.
  *
  * Errors: every fallible function returns a kvo_status; KVO_STATUS_OK is 0. Outputs are written
  * only on success (KVO_STATUS_BUFFER_TOO_SMALL writes the needed size). The calling thread's
@@ -57,6 +60,11 @@
  * Version of the encoding written by `kvo_step_encode`; `kvo_step_decode` rejects others.
  */
 #define KVO_STEP_FORMAT_VERSION 1
+
+/**
+ * Buckets of `kvo_transfer_stats.size_buckets`.
+ */
+#define KVO_SIZE_BUCKETS 11
 
 /**
  * The result of every fallible C function. `KVO_STATUS_OK` is 0; details of any other value
@@ -348,7 +356,9 @@ typedef struct kvo_manager_config {
    */
   uint32_t store_threshold;
   /**
-   * Non-zero: buffer events for `kvo_manager_take_events` (default 0).
+   * Non-zero: buffer events for `kvo_manager_take_events` (default 0). The buffer holds at most
+   * max(4 * num_slots, 65536) keys: beyond that the oldest events are dropped (counted in
+   * `kvo_manager_stats.events_dropped`); the newest event is always kept whole.
    */
   uint32_t enable_events;
   /**
@@ -428,7 +438,27 @@ typedef struct kvo_manager_stats {
    * Keys evicted (cumulative).
    */
   uint64_t evictions;
+  /**
+   * Events dropped, oldest first, because the event buffer was full (cumulative; see
+   * `kvo_manager_config.enable_events`).
+   */
+  uint64_t events_dropped;
 } kvo_manager_stats;
+
+/**
+ * One constant label of the metrics text: `name="value"` on every sample. Both are
+ * NUL-terminated UTF-8, read during the call only.
+ */
+typedef struct kvo_label {
+  /**
+   * Label name (`[a-zA-Z_][a-zA-Z0-9_]*`, not `le`).
+   */
+  const char *name;
+  /**
+   * Label value (any UTF-8; escaped in the output).
+   */
+  const char *value;
+} kvo_label;
 
 /**
  * Configuration of a scheduler. Fill it with `kvo_scheduler_config_default`, then change fields.
@@ -471,7 +501,8 @@ typedef struct kvo_scheduler_config {
    */
   uint32_t store_threshold;
   /**
-   * Non-zero: buffer events for `kvo_scheduler_take_events` (default 0).
+   * Non-zero: buffer events for `kvo_scheduler_take_events` (default 0), bounded as the
+   * manager's (`kvo_manager_config.enable_events`).
    */
   uint32_t enable_events;
   /**
@@ -788,6 +819,57 @@ typedef struct kvo_completion {
   uint32_t reserved;
 } kvo_completion;
 
+/**
+ * A worker's counters for one direction (see `kvo_worker_stats`).
+ */
+typedef struct kvo_transfer_stats {
+  /**
+   * Jobs finished and handed out by `kvo_worker_poll` (or finished synchronously), failed
+   * ones included.
+   */
+  uint64_t jobs;
+  /**
+   * Of those, the jobs that failed.
+   */
+  uint64_t failed_jobs;
+  /**
+   * Bytes copied by the jobs that succeeded.
+   */
+  uint64_t bytes;
+  /**
+   * Copy time of the jobs that succeeded, in seconds (device time for CUDA).
+   */
+  double seconds;
+  /**
+   * Jobs that succeeded per size, not cumulative: bucket `i` counts jobs of at most 1e6,
+   * 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6 bytes (and above the bucket
+   * before); the last bucket counts larger jobs. vLLM's buckets.
+   */
+  uint64_t size_buckets[KVO_SIZE_BUCKETS];
+} kvo_transfer_stats;
+
+/**
+ * Counters and gauges of a worker. Set `struct_size` before `kvo_worker_get_stats`.
+ */
+typedef struct kvo_worker_stats {
+  /**
+   * `sizeof(kvo_worker_stats)` as the caller knows it; only that many bytes are written.
+   */
+  size_t struct_size;
+  /**
+   * Loads: host tier → KV tensors (and `kvo_worker_swap_blocks` into device tensors).
+   */
+  struct kvo_transfer_stats load;
+  /**
+   * Stores: KV tensors → host tier (and `kvo_worker_swap_blocks` into host tensors).
+   */
+  struct kvo_transfer_stats store;
+  /**
+   * Jobs submitted and not yet handed out by `kvo_worker_poll`.
+   */
+  uint64_t jobs_in_flight;
+} kvo_worker_stats;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -943,6 +1025,11 @@ kvo_status kvo_manager_complete_load(struct kvo_manager *m,
  * `*out_n_store`); `KVO_STATUS_NO_ROOM` when not enough can be evicted now (a normal answer:
  * retry on a later step). On any failure nothing changes.
  *
+ * With `KVO_POLICY_ARC`, `KVO_STATUS_NO_ROOM` can come while `kvo_manager_stats.evictable` is at
+ * least the number of slots needed: like vLLM 0.24's ARC (deliberately copied, so that replays
+ * match), eviction scans T1 only while T1 holds at least `int(target)` entries and takes the rest
+ * from T2, so evictable keys left in T1 below that size are not taken.
+ *
  * # Safety
  * `keys` is NULL or `n_keys * key_len` readable bytes; outputs NULL or writable as described.
  */
@@ -996,7 +1083,9 @@ kvo_status kvo_manager_complete_store_at(struct kvo_manager *m,
 
 /**
  * Takes the buffered events (oldest first): writes `*out_n_events` records to `out_events` and
- * their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes).
+ * their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes). The buffer is
+ * bounded (see `kvo_manager_config.enable_events`): events not taken in time are dropped, oldest
+ * first, and counted in `kvo_manager_stats.events_dropped`.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_BUFFER_TOO_SMALL` if
  * `events_cap` or `keys_cap` (in keys) is too small: then the needed counts are written to
@@ -1028,6 +1117,32 @@ kvo_status kvo_manager_take_events(struct kvo_manager *m,
 KVO_NODISCARD
 kvo_status kvo_manager_get_stats(const struct kvo_manager *m,
                                  struct kvo_manager_stats *out);
+
+/**
+ * Renders the manager's counters and gauges in the Prometheus text exposition format (0.0.4) into `buf`: every
+ * metric named `<prefix>_<name>` (`prefix` may be empty: then `<name>`), every sample with the
+ * `n_labels` constant labels, in order. README.md lists the metrics. Writes the
+ * text NUL-terminated and its length without the NUL to `*out_len`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle, `prefix`, `out_len`,
+ * label string, `labels` with `n_labels > 0` or `buf` with `cap > 0`;
+ * `KVO_STATUS_INVALID_ARGUMENT` for a prefix that is not a metric name, a label name that is
+ * not a label name, `le` or repeated, or a string that is not UTF-8;
+ * `KVO_STATUS_BUFFER_TOO_SMALL` if `cap` is not above the length (only `*out_len` is written;
+ * pass `cap` 0 to ask, and retry with room to spare: counters grow between calls).
+ *
+ * # Safety
+ * Handle NULL or live; `prefix` and the label strings NULL or NUL-terminated; `labels` NULL or
+ * `n_labels` entries; `buf` NULL or `cap` writable bytes; `out_len` NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_manager_metrics_text(const struct kvo_manager *m,
+                                    const char *prefix,
+                                    const struct kvo_label *labels,
+                                    size_t n_labels,
+                                    char *buf,
+                                    size_t cap,
+                                    size_t *out_len);
 
 /**
  * Drops every key and frees every slot, without events. Completions of jobs from before the reset
@@ -1284,6 +1399,34 @@ kvo_status kvo_scheduler_get_stats(const struct kvo_scheduler *s,
                                    struct kvo_scheduler_stats *out);
 
 /**
+ * Renders the scheduler's counters and gauges in the Prometheus text exposition format (0.0.4) into `buf`: every
+ * metric named `<prefix>_<name>` (`prefix` may be empty: then `<name>`), every sample with the
+ * `n_labels` constant labels, in order. README.md lists the metrics. They include its tier's (the
+ * manager metrics): do not render that tier again. A constant label may not be named
+ * `reason` (`deferred_matches_total` has it). Writes the
+ * text NUL-terminated and its length without the NUL to `*out_len`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle, `prefix`, `out_len`,
+ * label string, `labels` with `n_labels > 0` or `buf` with `cap > 0`;
+ * `KVO_STATUS_INVALID_ARGUMENT` for a prefix that is not a metric name, a label name that is
+ * not a label name, `le` or repeated, or a string that is not UTF-8;
+ * `KVO_STATUS_BUFFER_TOO_SMALL` if `cap` is not above the length (only `*out_len` is written;
+ * pass `cap` 0 to ask, and retry with room to spare: counters grow between calls).
+ *
+ * # Safety
+ * Handle NULL or live; `prefix` and the label strings NULL or NUL-terminated; `labels` NULL or
+ * `n_labels` entries; `buf` NULL or `cap` writable bytes; `out_len` NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_metrics_text(const struct kvo_scheduler *s,
+                                      const char *prefix,
+                                      const struct kvo_label *labels,
+                                      size_t n_labels,
+                                      char *buf,
+                                      size_t cap,
+                                      size_t *out_len);
+
+/**
  * Recounts the scheduler's and tier's state and compares it with their bookkeeping (jobs vs
  * requests, pins vs in-flight loads, fence). For tests and debug builds: O(state).
  *
@@ -1422,8 +1565,9 @@ KVO_NODISCARD kvo_status kvo_worker_config_default(struct kvo_worker_config *out
  * config (struct_size, zero factor or slots, unknown backend), an empty, overlapping, misaligned
  * or zero-sized registration, device tensors with the host backend, or a host buffer too small;
  * `KVO_STATUS_CUDA_UNAVAILABLE` / `KVO_STATUS_CUDA_ERROR` for the CUDA backend without a
- * usable driver or device; `KVO_STATUS_OUT_OF_MEMORY` if the host tier cannot be allocated;
- * `KVO_STATUS_IO_ERROR` if page-locking or threads cannot be had.
+ * usable driver or device; `KVO_STATUS_OUT_OF_MEMORY` if the host tier cannot be allocated or is
+ * larger than the machine's memory (checked before any memory is touched); `KVO_STATUS_IO_ERROR`
+ * if threads cannot be had. On failure everything allocated or page-locked is released.
  *
  * # Safety
  * `cfg` NULL or `cfg->struct_size` readable bytes; `tensors` NULL or `n_tensors` entries;
@@ -1470,16 +1614,22 @@ kvo_status kvo_worker_submit_job(struct kvo_worker *w,
                                  uint64_t compute_stream);
 
 /**
- * Executes a step plan (from `kvo_scheduler_build_step` or `kvo_step_decode`): first blocks
- * until the plan's flush set has finished (jobs of earlier steps that must not overlap this
- * step's copies or forward pass; ids already finished and handed out are skipped), then submits
- * every job, loads first. `compute_stream` as for `kvo_worker_submit_job`. When it returns, the
- * forward pass may run.
+ * Executes a step plan (from `kvo_scheduler_build_step` or `kvo_step_decode`); call it before
+ * the step's forward pass. It submits the stores deferred from the previous plan (whose forward
+ * pass has been issued by now), blocks until the plan's flush set has finished (jobs of earlier
+ * steps that must not overlap this step's copies or forward pass; ids already finished and
+ * handed out are skipped), submits the plan's loads, and defers the plan's stores: they read the
+ * KV that this step's forward pass writes, so they are submitted by the next
+ * `kvo_worker_submit_step`, by `kvo_worker_submit_stores`, or by a `kvo_worker_wait` naming one
+ * of them (vLLM 0.24 likewise submits step N's stores at step N + 1). `compute_stream` (CUDA) is
+ * the stream the forward pass runs on: deferred stores start after the work queued on it when
+ * they are submitted. When it returns, the forward pass may run. The plan's job ids are in use
+ * from the start of the call; other calls on the worker proceed while it waits.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if the plan's
  * block_size_factor differs from the worker's; `KVO_STATUS_INVALID_STATE` if a job id is in use
- * or repeated in the plan, or after shutdown (then nothing is submitted); `KVO_STATUS_CUDA_ERROR`
- * if the driver fails while waiting.
+ * or repeated in the plan, or when the worker is shut down before or during the wait (then
+ * nothing is submitted); `KVO_STATUS_CUDA_ERROR` if the driver fails while waiting.
  *
  * # Safety
  * `w`, `step` NULL or live.
@@ -1488,6 +1638,20 @@ KVO_NODISCARD
 kvo_status kvo_worker_submit_step(struct kvo_worker *w,
                                   const struct kvo_step *step,
                                   uint64_t compute_stream);
+
+/**
+ * Submits the stores deferred from the last plan (see `kvo_worker_submit_step`) now. Call it once
+ * the last plan's forward pass has been issued when no further plan follows soon (the last step,
+ * an idle engine); with CUDA the stores start after the work then queued on that plan's
+ * compute stream.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_STATE` after shutdown
+ * (then nothing is submitted).
+ *
+ * # Safety
+ * `w` NULL or live.
+ */
+KVO_NODISCARD kvo_status kvo_worker_submit_stores(struct kvo_worker *w);
 
 /**
  * Writes up to `cap` finished jobs to `out` and their number to `*out_n`; the rest stay for the
@@ -1509,11 +1673,14 @@ kvo_status kvo_worker_poll(struct kvo_worker *w,
                            size_t *out_n);
 
 /**
- * Copies the message of a failed job handed out by `kvo_worker_poll` (the last 1024 are kept)
- * into `buf` (NUL-terminated, truncated) and writes its full length to `*out_len`.
+ * Copies the message of a failed job into `buf` (NUL-terminated, truncated) and writes its full
+ * length to `*out_len`. A failed job's message is kept with its completion until
+ * `kvo_worker_poll` hands the completion out, and then until the next `kvo_worker_poll` that
+ * hands out any job: read the messages of a poll's failed jobs before polling again (however
+ * many failed).
  *
- * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` if no message is
- * kept for `job_id`.
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` if `job_id` is not
+ * a failed job of the latest poll that handed out jobs.
  *
  * # Safety
  * `w` NULL or live; `buf` NULL or `len` writable bytes; `out_len` NULL or writable.
@@ -1526,8 +1693,11 @@ kvo_status kvo_worker_job_error(const struct kvo_worker *w,
                                 size_t *out_len);
 
 /**
- * Blocks until every listed job has finished, or `timeout_ms` passes. Completions remain to be
- * polled. (`kvo_worker_submit_step` already waits for a plan's flush set.)
+ * Blocks until every listed job has finished, or `timeout_ms` passes. Naming a store deferred
+ * by `kvo_worker_submit_step` submits the deferred stores first (so wait only once the step's
+ * forward pass has been issued). Completions remain to be polled; a job handed out by another
+ * thread's `kvo_worker_poll` meanwhile counts as finished. Other calls on the worker proceed
+ * while it waits. (`kvo_worker_submit_step` already waits for a plan's flush set.)
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an id never
  * submitted or already handed out by `kvo_worker_poll`; `KVO_STATUS_TIMEOUT`;
@@ -1545,10 +1715,14 @@ kvo_status kvo_worker_wait(struct kvo_worker *w,
 /**
  * Copies block `src_blocks[i]` of tensor `src_tensor` to block `dst_blocks[i]` of tensor
  * `dst_tensor` (indices into the registration; equal page sizes). With `as_job` non-zero the copy
- * is queued as job `job_id` and reported by `kvo_worker_poll`; otherwise it runs now.
+ * is queued as job `job_id` and reported by `kvo_worker_poll`; otherwise it runs now and the call
+ * returns when it is done.
  *
- * The copies have no order among themselves, so within one tensor a block may not be both a
- * source and a destination.
+ * Either way the copy is queued behind the jobs already submitted in its direction (a destination
+ * tensor in device memory: behind the loads; in host memory: behind the stores), so a synchronous
+ * swap also waits for those. Other calls on the worker proceed while it waits. The copies have
+ * no order among themselves, so within one tensor a block may not be both a source and a
+ * destination.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for tensor
  * indices, block ids or page sizes that do not fit, or a block both read and written;
@@ -1585,8 +1759,38 @@ kvo_status kvo_worker_get_host_buffer(const struct kvo_worker *w,
                                       size_t *out_len);
 
 /**
- * Finishes every job in flight, then refuses new submissions (`KVO_STATUS_INVALID_STATE`).
- * Completions stay pollable.
+ * Writes the counters and gauges to `*out` (only `out->struct_size` bytes).
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if
+ * `out->struct_size` is smaller than `sizeof(size_t)`.
+ *
+ * # Safety
+ * `w` NULL or live; `out` NULL or `out->struct_size` writable bytes.
+ */
+KVO_NODISCARD
+kvo_status kvo_worker_get_stats(const struct kvo_worker *w,
+                                struct kvo_worker_stats *out);
+
+/**
+ * Renders the worker's counters and gauges in the Prometheus text exposition format (0.0.4)
+ * into `buf`, as `kvo_manager_metrics_text` does (same arguments, statuses and safety).
+ *
+ * # Safety
+ * As for `kvo_manager_metrics_text`.
+ */
+KVO_NODISCARD
+kvo_status kvo_worker_metrics_text(const struct kvo_worker *w,
+                                   const char *prefix,
+                                   const struct kvo_label *labels,
+                                   size_t n_labels,
+                                   char *buf,
+                                   size_t cap,
+                                   size_t *out_len);
+
+/**
+ * Refuses new submissions from now on (`KVO_STATUS_INVALID_STATE`), then blocks until every job
+ * in flight has finished. Other calls on the worker (polls) proceed while it waits. Completions
+ * stay pollable.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_CUDA_ERROR`.
  *

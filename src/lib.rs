@@ -9,6 +9,7 @@
 pub mod error;
 pub mod ffi;
 pub mod manager;
+pub mod metrics;
 pub mod plan;
 pub mod replay;
 pub mod scheduler;

@@ -11,8 +11,11 @@
 
 use kvoffload::Error;
 use kvoffload::plan::Direction;
+use kvoffload::transfer::cuda::PIN_CHUNK_BYTES;
 use kvoffload::transfer::cuda::{CudaBackend, cuda_available, cuda_driver_version};
-use kvoffload::transfer::{Backend, Completion, CopyDesc};
+use kvoffload::transfer::{
+    Backend, BackendKind, Completion, CopyDesc, JobBlocks, KvTensor, Worker, WorkerConfig,
+};
 use std::ffi::{CString, c_char};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -316,6 +319,9 @@ fn inner_fake_driver() {
     if batch {
         batch_failure_falls_back_to_the_loop(&mut be);
     }
+    pinning_in_pieces(&mut be);
+    worker_creation_rolls_back(&mode);
+    a_poll_during_a_long_wait_returns_promptly();
     assert_eq!(stat("current_ctx_is_primary"), 0);
     assert_eq!(stat("context_errors"), 0);
 
@@ -766,6 +772,181 @@ fn events_are_reused(be: &mut CudaBackend) {
         poll_n(be, 2);
     }
     assert_eq!(stat("events_created"), created);
+}
+
+/// Host memory is page-locked in pieces of at most 64 GiB: a tier of hundreds of GiB passes a
+/// driver that refuses larger single calls, and a piece that fails unlocks the pieces before it.
+fn pinning_in_pieces(be: &mut CudaBackend) {
+    assert_eq!(be.pin_chunk(), PIN_CHUNK_BYTES);
+    assert_eq!(PIN_CHUNK_BYTES, 64 << 30);
+    // The fake touches no memory when it registers: an address range stands for the tier.
+    let huge: usize = 300 << 30;
+    let p = std::ptr::without_provenance_mut::<u8>(0x7000_0000_0000);
+    knob("register_max_bytes", 64 << 30);
+    let calls = stat("host_register_calls");
+    be.register_host(p, huge).expect("300 GiB in pieces");
+    assert_eq!(
+        stat("host_register_calls"),
+        calls + 5,
+        "4 x 64 GiB + 44 GiB"
+    );
+    assert_eq!(stat("host_registered_bytes"), huge as u64);
+    assert_eq!(stat("largest_register_bytes"), 64 << 30);
+    let unregs = stat("host_unregister_calls");
+    be.unregister_host(p).expect("unregister every piece");
+    assert_eq!(stat("host_unregister_calls"), unregs + 5);
+    assert_eq!(stat("host_registered_live"), 0);
+    assert_eq!(stat("host_registered_bytes"), 0);
+
+    // The third piece fails: the two before it are unlocked again, nothing stays registered.
+    knob("register_fail_in", 3);
+    match be.register_host(p, huge) {
+        Err(Error::Cuda(msg)) => {
+            assert!(msg.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{msg}");
+            assert!(msg.contains("2 pieces before it unregistered"), "{msg}");
+        }
+        other => panic!("expected Error::Cuda, got {other:?}"),
+    }
+    assert_eq!(stat("host_registered_live"), 0);
+    assert_eq!(stat("host_registered_bytes"), 0);
+    knob("register_max_bytes", 0);
+    // Nothing is left to unregister at drop either.
+    let unregs = stat("host_unregister_calls");
+    assert!(be.unregister_host(p).is_err());
+    assert_eq!(stat("host_unregister_calls"), unregs + 1);
+
+    // Smaller pieces when asked (rounded to pages).
+    let mut buf = vec![0u8; (7 << 20) / 2];
+    be.set_pin_chunk((1 << 20) - 5);
+    assert_eq!(be.pin_chunk(), 1 << 20);
+    let calls = stat("host_register_calls");
+    be.register_host(buf.as_mut_ptr(), buf.len())
+        .expect("register");
+    assert_eq!(stat("host_register_calls"), calls + 4);
+    be.unregister_host(buf.as_mut_ptr()).expect("unregister");
+    assert_eq!(stat("host_registered_live"), 0);
+    be.set_pin_chunk(PIN_CHUNK_BYTES);
+}
+
+/// Three "device" tensors (host memory in the fake) of 16 blocks of 4 KiB.
+fn device_tensors(mem: &mut [u8]) -> Vec<KvTensor> {
+    (0..3)
+        .map(|i| KvTensor {
+            base: mem[i * (64 << 10)..].as_mut_ptr() as u64,
+            num_blocks: 16,
+            block_stride: 4096,
+            page_size: 4096,
+            on_device: true,
+        })
+        .collect()
+}
+
+fn cuda_config() -> WorkerConfig {
+    WorkerConfig {
+        block_size_factor: 1,
+        num_host_slots: 32,
+        threads: 4,
+        backend: BackendKind::Cuda(0),
+    }
+}
+
+/// A worker whose third host tier cannot be page-locked fails and releases everything: the
+/// tiers locked before, its streams, events and context reference.
+fn worker_creation_rolls_back(mode: &str) {
+    let mut mem = vec![0u8; 3 << 16];
+    let tensors = device_tensors(&mut mem);
+    let before = (
+        stat("primary_ctx_refs"),
+        stat("streams_live"),
+        stat("events_live"),
+    );
+    let w = Worker::new(cuda_config(), &tensors, None).expect("worker on the fake driver");
+    assert_eq!(stat("host_registered_live"), 3);
+    assert_eq!(stat("host_registered_bytes"), 3 * 32 * 4096);
+    // Pre-faulted before page-locking: every page of each owned tier is resident.
+    for t in 0..3 {
+        let (p, len) = w.host_buffer(t).expect("host buffer");
+        let mut v = vec![0u8; len.div_ceil(4096)];
+        // SAFETY: `p` is the page-aligned start of the tier's mapping of `len` bytes.
+        assert_eq!(unsafe { libc::mincore(p.cast(), len, v.as_mut_ptr()) }, 0);
+        assert!(
+            v.iter().all(|&b| b & 1 != 0),
+            "{mode}: tier {t} not pre-faulted"
+        );
+    }
+    drop(w);
+    assert_eq!(stat("host_registered_live"), 0);
+
+    knob("register_fail_in", 3);
+    match Worker::new(cuda_config(), &tensors, None) {
+        Err(Error::Cuda(msg)) => assert!(msg.contains("cuMemHostRegister"), "{mode}: {msg}"),
+        Err(e) => panic!("{mode}: expected Error::Cuda, got {e:?}"),
+        Ok(_) => panic!("{mode}: the third registration was to fail"),
+    }
+    assert_eq!(stat("host_registered_live"), 0, "{mode}");
+    assert_eq!(stat("host_registered_bytes"), 0, "{mode}");
+    assert_eq!(
+        (
+            stat("primary_ctx_refs"),
+            stat("streams_live"),
+            stat("events_live"),
+        ),
+        before,
+        "{mode}: the failed worker's context, streams and events are released"
+    );
+    knob("register_fail_in", 0);
+}
+
+/// A thread blocked in a wait for 2 s (the fake never completes the job, so the wait times out)
+/// does not hold up another thread's poll and submit (generous margin: 0.5 s).
+fn a_poll_during_a_long_wait_returns_promptly() {
+    let mut mem = vec![0u8; 3 << 16];
+    let tensors = device_tensors(&mut mem);
+    let w = std::sync::Arc::new(Worker::new(cuda_config(), &tensors, None).expect("worker"));
+    let store = |id: u64, w: &Worker| {
+        let job = JobBlocks {
+            kind: Direction::Store,
+            src: &[1],
+            dst: &[2],
+            block_index: 0,
+        };
+        w.submit(id, &job, 0).expect("submit");
+    };
+    knob("never_complete", 1);
+    store(1, &w);
+    let waiter = {
+        let w = w.clone();
+        std::thread::spawn(move || {
+            let t = std::time::Instant::now();
+            let r = w.wait(&[1], Duration::from_secs(2));
+            (r, t.elapsed())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!waiter.is_finished());
+    let t = std::time::Instant::now();
+    let mut out = Vec::new();
+    w.poll(&mut out, 16).expect("poll");
+    assert!(out.is_empty());
+    store(2, &w);
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_millis(500),
+        "poll and submit took {took:?} while a thread waited"
+    );
+    let (r, waited) = waiter.join().expect("waiter");
+    assert!(matches!(r, Err(Error::Timeout(_))), "{r:?}");
+    assert!(waited >= Duration::from_secs(2), "{waited:?}");
+    knob("never_complete", 0);
+    w.wait(&[1, 2], Duration::from_secs(5)).expect("wait");
+    for _ in 0..100 {
+        w.poll(&mut out, 16).expect("poll");
+        if out.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(ids(&out), [1, 2]);
+    assert!(out.iter().all(|c| c.success));
 }
 
 // ---- a real GPU -------------------------------------------------------------------------------

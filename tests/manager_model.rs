@@ -521,6 +521,7 @@ impl Model {
             hits: self.hits,
             stores_skipped: self.stores_skipped,
             evictions: self.evictions,
+            events_dropped: 0,
         }
     }
 

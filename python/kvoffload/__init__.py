@@ -24,7 +24,7 @@ library's message. Keys are ``bytes`` of exactly ``key_len`` bytes.
 import ctypes
 from typing import List, NamedTuple, Tuple
 
-from . import _ffi
+from . import _ffi, _metrics
 from ._ffi import *  # noqa: F401,F403  (constants, enums, errors)
 from ._ffi import (
     ABI_VERSION,
@@ -49,7 +49,15 @@ from ._scheduler import (
     Step,
     StepInfo,
 )
-from ._worker import Completion, KvTensor, Worker, cuda_available
+from ._worker import (
+    SIZE_BUCKET_BOUNDS,
+    Completion,
+    KvTensor,
+    TransferStats,
+    Worker,
+    WorkerStats,
+    cuda_available,
+)
 
 __all__ = list(_ffi.__all__) + [
     "version",
@@ -67,6 +75,9 @@ __all__ = list(_ffi.__all__) + [
     "StepInfo",
     "Job",
     "Worker",
+    "WorkerStats",
+    "TransferStats",
+    "SIZE_BUCKET_BOUNDS",
     "KvTensor",
     "Completion",
     "cuda_available",
@@ -240,6 +251,20 @@ class Manager(_Handle):
         s.struct_size = ctypes.sizeof(s)
         lib.kvo_manager_get_stats(h, ctypes.byref(s))
         return ManagerStats(**{f: getattr(s, f) for f in _STATS_FIELDS})
+
+    def metrics_text(self, prefix, labels=None) -> str:
+        """The manager's stats as Prometheus text (``kvo_manager_metrics_text``): every
+        name ``<prefix>_<name>`` (vLLM's prefix: ``"vllm:kv_offload"``), every sample with the
+        constant ``labels`` (a dict of str, in order). README.md lists the metrics."""
+        return _metrics.metrics_text(
+            lib.kvo_manager_metrics_text, self._handle(), prefix, labels
+        )
+
+    def metrics(self, prefix, labels=None) -> dict:
+        """The same metrics as plain dicts, ``{family: {"type", "help", "samples"}}`` with
+        ``samples`` a list of ``(name, labels, value)``: what a ``prometheus_client`` custom
+        collector yields as ``Metric(family, help, type)`` with ``add_sample`` per sample."""
+        return _metrics.parse(self.metrics_text(prefix, labels))
 
     def reset(self):
         """Drops every key and frees every slot, without events. Cumulative counters are kept."""

@@ -63,6 +63,7 @@ class ManagerStats:
     hits: int
     stores_skipped: int
     evictions: int
+    events_dropped: int
 
     def as_dict(self):
         return dataclasses.asdict(self)

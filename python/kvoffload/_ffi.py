@@ -29,6 +29,7 @@ __all__ = [
     "Backend",
     "KVO_NO_LIMIT",
     "KVO_STEP_FORMAT_VERSION",
+    "KVO_SIZE_BUCKETS",
     "KvoError",
     "NullArgumentError",
     "InvalidArgumentError",
@@ -133,6 +134,8 @@ class Backend(enum.IntEnum):
 KVO_NO_LIMIT = 2**64 - 1
 #: ``KVO_STEP_FORMAT_VERSION``: version of the encoded step-plan format (as the header spells it).
 KVO_STEP_FORMAT_VERSION = 1
+#: ``KVO_SIZE_BUCKETS``: buckets of ``kvo_transfer_stats.size_buckets``.
+KVO_SIZE_BUCKETS = 11
 
 #: (IntEnum, header prefix) pairs; the drift test compares them member for member.
 ENUMS = (
@@ -306,6 +309,7 @@ class kvo_manager_stats(ctypes.Structure):
         ("hits", c_uint64),
         ("stores_skipped", c_uint64),
         ("evictions", c_uint64),
+        ("events_dropped", c_uint64),
     ]
 
 
@@ -448,6 +452,32 @@ class kvo_completion(ctypes.Structure):
     ]
 
 
+class kvo_transfer_stats(ctypes.Structure):
+    _fields_ = [
+        ("jobs", c_uint64),
+        ("failed_jobs", c_uint64),
+        ("bytes", c_uint64),
+        ("seconds", ctypes.c_double),
+        ("size_buckets", c_uint64 * KVO_SIZE_BUCKETS),
+    ]
+
+
+class kvo_worker_stats(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("load", kvo_transfer_stats),
+        ("store", kvo_transfer_stats),
+        ("jobs_in_flight", c_uint64),
+    ]
+
+
+class kvo_label(ctypes.Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("value", c_char_p),
+    ]
+
+
 #: C struct name -> ctypes class (used by the drift test).
 STRUCTS = {
     "kvo_manager": _Manager,
@@ -468,6 +498,9 @@ STRUCTS = {
     "kvo_kv_tensor": kvo_kv_tensor,
     "kvo_host_buffer": kvo_host_buffer,
     "kvo_completion": kvo_completion,
+    "kvo_transfer_stats": kvo_transfer_stats,
+    "kvo_worker_stats": kvo_worker_stats,
+    "kvo_label": kvo_label,
 }
 
 # The C type aliases: kvo_status is int32_t; kvo_policy and kvo_lookup are uint32_t.
@@ -516,6 +549,11 @@ FUNCTIONS = {
         True,
     ),
     "kvo_manager_get_stats": (kvo_status, [_ManagerP, POINTER(kvo_manager_stats)], True),
+    "kvo_manager_metrics_text": (
+        kvo_status,
+        [_ManagerP, c_char_p, POINTER(kvo_label), c_size_t, POINTER(c_char), c_size_t, _sizep],
+        True,
+    ),
     "kvo_manager_reset": (kvo_status, [_ManagerP], True),
     "kvo_manager_check_invariants": (kvo_status, [_ManagerP], True),
     # -- scheduler ---------------------------------------------------------------------------
@@ -557,6 +595,11 @@ FUNCTIONS = {
         True,
     ),
     "kvo_scheduler_get_stats": (kvo_status, [_SchedP, POINTER(kvo_scheduler_stats)], True),
+    "kvo_scheduler_metrics_text": (
+        kvo_status,
+        [_SchedP, c_char_p, POINTER(kvo_label), c_size_t, POINTER(c_char), c_size_t, _sizep],
+        True,
+    ),
     "kvo_scheduler_check_invariants": (kvo_status, [_SchedP], True),
     # -- step plans --------------------------------------------------------------------------
     "kvo_step_new": (kvo_status, [POINTER(_StepP)], True),
@@ -592,6 +635,7 @@ FUNCTIONS = {
         True,
     ),
     "kvo_worker_submit_step": (kvo_status, [_WorkerP, _StepP, c_uint64], True),
+    "kvo_worker_submit_stores": (kvo_status, [_WorkerP], True),
     "kvo_worker_poll": (kvo_status, [_WorkerP, POINTER(kvo_completion), c_size_t, _sizep], True),
     "kvo_worker_job_error": (
         kvo_status,
@@ -610,6 +654,12 @@ FUNCTIONS = {
         True,
     ),
     "kvo_worker_shutdown": (kvo_status, [_WorkerP], True),
+    "kvo_worker_get_stats": (kvo_status, [_WorkerP, POINTER(kvo_worker_stats)], True),
+    "kvo_worker_metrics_text": (
+        kvo_status,
+        [_WorkerP, c_char_p, POINTER(kvo_label), c_size_t, POINTER(c_char), c_size_t, _sizep],
+        True,
+    ),
 }
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import ctypes
 import dataclasses
 from typing import List, NamedTuple, Optional, Sequence
 
-from . import _ffi
+from . import _ffi, _metrics
 from ._common import _take_events, _MAX_U32, _MAX_U64, Event, ManagerStats, _Handle, _policy, _uint
 from ._ffi import (
     KVO_NO_LIMIT,
@@ -554,6 +554,21 @@ class Scheduler(_Handle):
         lib.kvo_scheduler_get_stats(h, ctypes.byref(s))
         fields = {f: getattr(s, f) for f in _SCHED_STATS_FIELDS}
         return SchedulerStats(manager=ManagerStats._from_c(s.manager), **fields)
+
+    def metrics_text(self, prefix, labels=None) -> str:
+        """The scheduler's stats, its tier's included, as Prometheus text
+        (``kvo_scheduler_metrics_text``): every name ``<prefix>_<name>`` (vLLM's prefix:
+        ``"vllm:kv_offload"``), every sample with the constant ``labels`` (a dict of str, in
+        order). README.md lists the metrics."""
+        return _metrics.metrics_text(
+            lib.kvo_scheduler_metrics_text, self._handle(), prefix, labels
+        )
+
+    def metrics(self, prefix, labels=None) -> dict:
+        """The same metrics as plain dicts, ``{family: {"type", "help", "samples"}}`` with
+        ``samples`` a list of ``(name, labels, value)``: what a ``prometheus_client`` custom
+        collector yields as ``Metric(family, help, type)`` with ``add_sample`` per sample."""
+        return _metrics.parse(self.metrics_text(prefix, labels))
 
     def check_invariants(self):
         """Recounts the scheduler's and tier's state; raises :class:`InternalError` naming a

@@ -27,7 +27,7 @@ import dataclasses
 import weakref
 from typing import Any, List, NamedTuple, Optional, Tuple
 
-from . import _ffi
+from . import _ffi, _metrics
 from ._common import _MAX_U32, _MAX_U64, _Handle, _uint
 from ._ffi import Backend, JobKind, NotFoundError, lib
 from ._scheduler import Step, _seq, _u32_array
@@ -129,6 +129,37 @@ def _free(ptr, keep):
     """The finalizer: frees the worker, then drops the memory it was using (``keep``)."""
     lib.kvo_worker_free(ptr)
     keep.clear()
+
+
+#: Upper bounds in bytes of :attr:`TransferStats.size_buckets` (vLLM's; the last bucket has none).
+SIZE_BUCKET_BOUNDS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferStats:
+    """A worker's counters for one direction (``kvo_transfer_stats``): jobs finished (failed
+    ones included), failed jobs, bytes and copy seconds of the jobs that succeeded, and their
+    sizes per bucket (not cumulative; bounds :data:`SIZE_BUCKET_BOUNDS`, then one bucket above)."""
+
+    jobs: int
+    failed_jobs: int
+    bytes: int
+    seconds: float
+    size_buckets: Tuple[int, ...]
+
+    @classmethod
+    def _from_c(cls, t) -> "TransferStats":
+        return cls(t.jobs, t.failed_jobs, t.bytes, t.seconds, tuple(t.size_buckets))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerStats:
+    """A worker's stats (``kvo_worker_stats``): loads (host tier to KV tensors), stores (the
+    other way; ``swap_blocks`` copies count by their destination) and jobs not yet polled."""
+
+    load: TransferStats
+    store: TransferStats
+    jobs_in_flight: int
 
 
 class Worker(_Handle):
@@ -257,8 +288,11 @@ class Worker(_Handle):
         lib.kvo_worker_submit_job(h, jid, k, s, ns, d, nd, bi, cs)
 
     def submit_step(self, step, compute_stream=0):
-        """Submits every job of a :class:`Step` (from :meth:`Scheduler.build_step` or
-        :meth:`Step.decode`), loads first. Raises :class:`InvalidArgumentError` if the plan's
+        """Executes a :class:`Step` (from :meth:`Scheduler.build_step` or :meth:`Step.decode`)
+        before its forward pass: submits the previous plan's deferred stores, waits for the
+        flush set, submits the loads, and defers the plan's stores (they read what this step's
+        forward pass writes) to the next :meth:`submit_step`, :meth:`submit_stores`, or a
+        :meth:`wait` naming one. Raises :class:`InvalidArgumentError` if the plan's
         block_size_factor differs from the worker's, :class:`InvalidStateError` if one of its
         job ids is in flight or after :meth:`shutdown` (then nothing is submitted)."""
         h = self._handle()
@@ -266,6 +300,12 @@ class Worker(_Handle):
             raise TypeError(f"step: expected a Step, got {type(step).__name__}")
         cs = _uint("compute_stream", compute_stream, _MAX_U64)
         lib.kvo_worker_submit_step(h, step._handle(), cs)
+
+    def submit_stores(self):
+        """Submits the stores deferred from the last plan now (once its forward pass has been
+        issued, when no further plan follows soon). Raises :class:`InvalidStateError` after
+        :meth:`shutdown`."""
+        lib.kvo_worker_submit_stores(self._handle())
 
     def poll(self, max=256) -> List[Completion]:  # noqa: A002  (the documented name)
         """Up to ``max`` finished jobs (per direction in submission order); the rest stay for
@@ -348,6 +388,32 @@ class Worker(_Handle):
         self._views = [r for r in self._views if r() is not None]
         self._views.append(weakref.ref(view))
         return view
+
+    def stats(self) -> WorkerStats:
+        """Counters per direction and jobs in flight (``kvo_worker_get_stats``)."""
+        h = self._handle()
+        s = _ffi.kvo_worker_stats()
+        s.struct_size = ctypes.sizeof(s)
+        lib.kvo_worker_get_stats(h, ctypes.byref(s))
+        return WorkerStats(
+            load=TransferStats._from_c(s.load),
+            store=TransferStats._from_c(s.store),
+            jobs_in_flight=s.jobs_in_flight,
+        )
+
+    def metrics_text(self, prefix, labels=None) -> str:
+        """The worker's stats as Prometheus text (``kvo_worker_metrics_text``): every
+        name ``<prefix>_<name>`` (vLLM's prefix: ``"vllm:kv_offload"``), every sample with the
+        constant ``labels`` (a dict of str, in order). README.md lists the metrics."""
+        return _metrics.metrics_text(
+            lib.kvo_worker_metrics_text, self._handle(), prefix, labels
+        )
+
+    def metrics(self, prefix, labels=None) -> dict:
+        """The same metrics as plain dicts, ``{family: {"type", "help", "samples"}}`` with
+        ``samples`` a list of ``(name, labels, value)``: what a ``prometheus_client`` custom
+        collector yields as ``Metric(family, help, type)`` with ``add_sample`` per sample."""
+        return _metrics.parse(self.metrics_text(prefix, labels))
 
     def shutdown(self):
         """Finishes every job in flight, then refuses new submissions

@@ -76,7 +76,8 @@ def parse_header(text):
     structs = {}
     for name, fields in re.findall(r"\btypedef\s+struct\s+(\w+)\s*\{([^}]*)\}\s*\w+\s*;", body):
         structs[name] = [
-            (" ".join(t.split()), n) for t, n in re.findall(r"([\w\s\*]+?)\s*\b(\w+)\s*;", fields)
+            (" ".join(t.split()) + (f"[{dim}]" if dim else ""), n)
+            for t, n, dim in re.findall(r"([\w\s\*]+?)\s*\b(\w+)\s*(?:\[(\w+)\])?\s*;", fields)
         ]
     for name, alias in re.findall(r"\btypedef\s+struct\s+(\w+)\s+(\w+)\s*;", body):
         structs.setdefault(name, None)
@@ -110,7 +111,12 @@ def parse_header(text):
 # ("void",) | ("int", bits, signed) | ("struct", name) | ("ptr", descriptor)
 
 
-def c_type(t, typedefs):
+def c_type(t, typedefs, constants=None):
+    m = re.match(r"^(.*)\[(\w+)\]$", t)
+    if m is not None:  # an array field: `uint64_t x[KVO_N]`
+        dim = m.group(2)
+        n = int(dim) if dim.isdigit() else (constants or {})[dim]
+        return ("array", c_type(m.group(1), typedefs), n)
     t = " ".join(t.replace("*", " * ").split())
     stars = t.count("*")
     base = t.replace("*", " ")
@@ -153,6 +159,8 @@ def py_type(t):
         return ("float", 32)
     if isinstance(t, type) and issubclass(t, ctypes._Pointer):
         return ("ptr", py_type(t._type_))
+    if isinstance(t, type) and issubclass(t, ctypes.Array):
+        return ("array", py_type(t._type_), t._length_)
     if isinstance(t, type) and issubclass(t, ctypes.Structure):
         if t not in _STRUCT_NAMES:
             raise AssertionError(f"{t.__name__} is not in _ffi.STRUCTS")
@@ -169,6 +177,11 @@ def compatible(c, p):
     if c[0] == "ptr":
         r = compatible(c[1], p[1])
         return None if r is None else f"pointee: {r}"
+    if c[0] == "array":
+        if c[2] != p[2]:
+            return f"{c[2]} elements in the header, {p[2]} in the wrapper"
+        r = compatible(c[1], p[1])
+        return None if r is None else f"element: {r}"
     if c[0] == "int":
         if c[1] != p[1]:
             return f"{c[1]}-bit in the header, {p[1]}-bit in the wrapper"
@@ -220,6 +233,14 @@ class ParserTest(unittest.TestCase):
         self.assertEqual(consts, {"KVO_ABI_VERSION": 3, "KVO_X_A": 0, "KVO_X_B": 7})
         self.assertEqual(c_type("struct kvo_y **", td), ("ptr", ("ptr", ("struct", "kvo_y"))))
         self.assertEqual(c_type("kvo_status", td), ("int", 32, True))
+        # Array fields, their length a number or a constant.
+        _, _, st2, _ = parse_header("typedef struct kvo_h { uint64_t b[KVO_N]; double x; } kvo_h;")
+        self.assertEqual(st2, {"kvo_h": [("uint64_t[KVO_N]", "b"), ("double", "x")]})
+        arr = c_type("uint64_t[KVO_N]", td, {"KVO_N": 4})
+        self.assertEqual(arr, ("array", ("int", 64, False), 4))
+        self.assertIsNone(compatible(arr, py_type(ctypes.c_uint64 * 4)))
+        self.assertIsNotNone(compatible(arr, py_type(ctypes.c_uint64 * 3)))
+        self.assertIsNotNone(compatible(arr, py_type(ctypes.c_uint32 * 4)))
 
     def test_mismatches_are_detected(self):
         td = {"kvo_status": "int32_t"}
@@ -306,7 +327,7 @@ class HeaderDriftTest(unittest.TestCase):
                 py_fields = cls._fields_
                 self.assertEqual([n for _, n in c_fields], [n for n, _ in py_fields])
                 for (ct, fname), (_, pt) in zip(c_fields, py_fields):
-                    why = compatible(c_type(ct, self.typedefs), py_type(pt))
+                    why = compatible(c_type(ct, self.typedefs, self.constants), py_type(pt))
                     self.assertIsNone(why, f"{name}.{fname}: {why}")
 
     def test_constants_match(self):

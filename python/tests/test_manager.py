@@ -403,7 +403,7 @@ class BehaviourTest(unittest.TestCase):
     def test_stats_after_operations(self):
         with Manager(num_slots=3, key_len=8) as m:
             s = m.stats()
-            self.assertEqual(s, kvoffload.ManagerStats(3, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+            self.assertEqual(s, kvoffload.ManagerStats(3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
             m.prepare_store(ks(1, 2, 3))
             s = m.stats()
             self.assertEqual((s.used, s.ready, s.stores_in_flight, s.evictable), (3, 0, 3, 0))
@@ -426,7 +426,7 @@ class BehaviourTest(unittest.TestCase):
             self.assertEqual(d["capacity"], 3)
             self.assertEqual(set(d), {
                 "capacity", "used", "ready", "evictable", "pinned", "stores_in_flight",
-                "lookups", "hits", "stores_skipped", "evictions",
+                "lookups", "hits", "stores_skipped", "evictions", "events_dropped",
             })
 
     def test_store_threshold(self):

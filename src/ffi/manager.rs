@@ -1,10 +1,12 @@
 //! `kvo_manager_*`: the offload tier index ([`crate::manager::Manager`]) behind a C handle.
 
+use super::metrics::{kvo_label, naming, write_text};
 use super::{
     Failure, FfiResult, copy_events, free_handle, give, guard, handle, kvo_status, lock, non_null,
     read_config, slice, slice_mut, write, write_sized,
 };
 use crate::manager::{Lookup, Manager, ManagerConfig, ManagerStats, Policy};
+use std::ffi::c_char;
 use std::sync::Mutex;
 
 /// Eviction policies (values of `kvo_manager_config.policy`).
@@ -43,7 +45,9 @@ pub struct kvo_manager_config {
     pub num_slots: u64,
     /// When >= 2, a key is stored only after this many lookups (default 0: off).
     pub store_threshold: u32,
-    /// Non-zero: buffer events for `kvo_manager_take_events` (default 0).
+    /// Non-zero: buffer events for `kvo_manager_take_events` (default 0). The buffer holds at most
+    /// max(4 * num_slots, 65536) keys: beyond that the oldest events are dropped (counted in
+    /// `kvo_manager_stats.events_dropped`); the newest event is always kept whole.
     pub enable_events: u32,
     /// Keys the store-threshold filter tracks, >= 1 (default 64000).
     pub max_tracker_size: u64,
@@ -75,6 +79,9 @@ pub struct kvo_manager_stats {
     pub stores_skipped: u64,
     /// Keys evicted (cumulative).
     pub evictions: u64,
+    /// Events dropped, oldest first, because the event buffer was full (cumulative; see
+    /// `kvo_manager_config.enable_events`).
+    pub events_dropped: u64,
 }
 
 impl From<ManagerStats> for kvo_manager_stats {
@@ -91,6 +98,7 @@ impl From<ManagerStats> for kvo_manager_stats {
             hits: s.hits,
             stores_skipped: s.stores_skipped,
             evictions: s.evictions,
+            events_dropped: s.events_dropped,
         }
     }
 }
@@ -395,6 +403,11 @@ pub unsafe extern "C" fn kvo_manager_complete_load(
 /// `*out_n_store`); `KVO_STATUS_NO_ROOM` when not enough can be evicted now (a normal answer:
 /// retry on a later step). On any failure nothing changes.
 ///
+/// With `KVO_POLICY_ARC`, `KVO_STATUS_NO_ROOM` can come while `kvo_manager_stats.evictable` is at
+/// least the number of slots needed: like vLLM 0.24's ARC (deliberately copied, so that replays
+/// match), eviction scans T1 only while T1 holds at least `int(target)` entries and takes the rest
+/// from T2, so evictable keys left in T1 below that size are not taken.
+///
 /// # Safety
 /// `keys` is NULL or `n_keys * key_len` readable bytes; outputs NULL or writable as described.
 #[unsafe(no_mangle)]
@@ -491,7 +504,9 @@ pub unsafe extern "C" fn kvo_manager_complete_store_at(
 }
 
 /// Takes the buffered events (oldest first): writes `*out_n_events` records to `out_events` and
-/// their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes).
+/// their keys, back to back, to `out_keys` (`*out_n_keys` keys of `key_len` bytes). The buffer is
+/// bounded (see `kvo_manager_config.enable_events`): events not taken in time are dropped, oldest
+/// first, and counted in `kvo_manager_stats.events_dropped`.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_BUFFER_TOO_SMALL` if
 /// `events_cap` or `keys_cap` (in keys) is too small: then the needed counts are written to
@@ -553,6 +568,46 @@ pub unsafe extern "C" fn kvo_manager_get_stats(
         let full = kvo_manager_stats::from(h.get()?.stats());
         // SAFETY: forwarded from the caller.
         unsafe { write_sized(out, full, "out") }
+    })
+}
+
+/// Renders the manager's counters and gauges in the Prometheus text exposition format (0.0.4) into `buf`: every
+/// metric named `<prefix>_<name>` (`prefix` may be empty: then `<name>`), every sample with the
+/// `n_labels` constant labels, in order. README.md lists the metrics. Writes the
+/// text NUL-terminated and its length without the NUL to `*out_len`.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle, `prefix`, `out_len`,
+/// label string, `labels` with `n_labels > 0` or `buf` with `cap > 0`;
+/// `KVO_STATUS_INVALID_ARGUMENT` for a prefix that is not a metric name, a label name that is
+/// not a label name, `le` or repeated, or a string that is not UTF-8;
+/// `KVO_STATUS_BUFFER_TOO_SMALL` if `cap` is not above the length (only `*out_len` is written;
+/// pass `cap` 0 to ask, and retry with room to spare: counters grow between calls).
+///
+/// # Safety
+/// Handle NULL or live; `prefix` and the label strings NULL or NUL-terminated; `labels` NULL or
+/// `n_labels` entries; `buf` NULL or `cap` writable bytes; `out_len` NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_manager_metrics_text(
+    m: *const kvo_manager,
+    prefix: *const c_char,
+    labels: *const kvo_label,
+    n_labels: usize,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { handle(m, MANAGER) }?;
+        non_null(out_len, "out_len")?;
+        // SAFETY: forwarded from the caller.
+        let naming = unsafe { naming(prefix, labels, n_labels) }?;
+        let stats = h.get()?.stats();
+        let mut text = String::new();
+        crate::metrics::manager_text(&naming, &stats, &mut text)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { write_text(&text, buf, cap, out_len) }
     })
 }
 

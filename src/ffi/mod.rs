@@ -2,17 +2,20 @@
 //! with a thread-local message, and every body runs inside one panic guard (`guard`).
 //!
 //! Thread-safety (stated once, also at the top of the header): every function may be called
-//! from any thread; each handle serializes its own calls; `kvo_*_free` must not race with other
+//! from any thread; each handle serializes its own calls, except that a thread waiting for a
+//! worker's jobs does not block other calls on that worker; `kvo_*_free` must not race with other
 //! calls on the same handle. The library never calls back into the host.
 #![allow(non_camel_case_types)]
 
 mod manager;
+mod metrics;
 mod scheduler;
 mod status;
 mod step;
 mod worker;
 
 pub use manager::*;
+pub use metrics::kvo_label;
 pub use scheduler::*;
 pub use status::kvo_status;
 pub use step::*;

@@ -1,6 +1,7 @@
 //! `kvo_scheduler_*`: the connector scheduler ([`crate::scheduler::Scheduler`]) behind a C handle.
 
 use super::manager::policy_from;
+use super::metrics::{kvo_label, naming, write_text};
 use super::{
     Failure, copy_events, free_handle, give, guard, handle, kvo_event, kvo_manager_stats,
     kvo_status, kvo_step, lock, non_null, read_config, slice, write, write_sized,
@@ -8,6 +9,7 @@ use super::{
 use crate::scheduler::{
     DeferReason, JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig,
 };
+use std::ffi::c_char;
 use std::sync::{Mutex, MutexGuard};
 
 /// "No limit" for `max_offload_tokens`.
@@ -61,7 +63,8 @@ pub struct kvo_scheduler_config {
     pub offload_prompt_only: u32,
     /// When >= 2, a chunk is stored only after this many lookups (default 0: off).
     pub store_threshold: u32,
-    /// Non-zero: buffer events for `kvo_scheduler_take_events` (default 0).
+    /// Non-zero: buffer events for `kvo_scheduler_take_events` (default 0), bounded as the
+    /// manager's (`kvo_manager_config.enable_events`).
     pub enable_events: u32,
     /// Keys the store-threshold filter tracks, >= 1 (default 64000).
     pub max_tracker_size: u64,
@@ -662,6 +665,48 @@ pub unsafe extern "C" fn kvo_scheduler_get_stats(
         };
         // SAFETY: forwarded from the caller.
         unsafe { write_sized(out, full, "out") }
+    })
+}
+
+/// Renders the scheduler's counters and gauges in the Prometheus text exposition format (0.0.4) into `buf`: every
+/// metric named `<prefix>_<name>` (`prefix` may be empty: then `<name>`), every sample with the
+/// `n_labels` constant labels, in order. README.md lists the metrics. They include its tier's (the
+/// manager metrics): do not render that tier again. A constant label may not be named
+/// `reason` (`deferred_matches_total` has it). Writes the
+/// text NUL-terminated and its length without the NUL to `*out_len`.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle, `prefix`, `out_len`,
+/// label string, `labels` with `n_labels > 0` or `buf` with `cap > 0`;
+/// `KVO_STATUS_INVALID_ARGUMENT` for a prefix that is not a metric name, a label name that is
+/// not a label name, `le` or repeated, or a string that is not UTF-8;
+/// `KVO_STATUS_BUFFER_TOO_SMALL` if `cap` is not above the length (only `*out_len` is written;
+/// pass `cap` 0 to ask, and retry with room to spare: counters grow between calls).
+///
+/// # Safety
+/// Handle NULL or live; `prefix` and the label strings NULL or NUL-terminated; `labels` NULL or
+/// `n_labels` entries; `buf` NULL or `cap` writable bytes; `out_len` NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_scheduler_metrics_text(
+    s: *const kvo_scheduler,
+    prefix: *const c_char,
+    labels: *const kvo_label,
+    n_labels: usize,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { sched(s) }?;
+        non_null(out_len, "out_len")?;
+        // SAFETY: forwarded from the caller.
+        let naming = unsafe { naming(prefix, labels, n_labels) }?;
+        let stats = h.get()?.stats();
+        let mut text = String::new();
+        crate::metrics::scheduler_text(&naming, &stats, &mut text)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { write_text(&text, buf, cap, out_len) }
     })
 }
 

@@ -1,12 +1,14 @@
 //! `kvo_worker_*`: block copies ([`crate::transfer::Worker`]) behind a C handle.
 
+use super::metrics::{kvo_label, naming, write_text};
 use super::{
     Failure, copy_c_string, free_handle, give, guard, handle, kvo_status, kvo_step, lock, non_null,
-    read_config, slice, slice_mut, write,
+    read_config, slice, slice_mut, write, write_sized,
 };
 use crate::plan::Direction;
-use crate::transfer::{BackendKind, Completion, JobBlocks, KvTensor, Worker, WorkerConfig};
-use std::collections::VecDeque;
+use crate::transfer::{
+    BackendKind, Completion, DirectionStats, JobBlocks, KvTensor, Worker, WorkerConfig,
+};
 use std::ffi::{c_char, c_void};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -85,23 +87,72 @@ pub struct kvo_completion {
     pub reserved: u32,
 }
 
-/// Block copies between registered KV tensors and the host tier. Opaque.
-pub struct kvo_worker {
-    inner: Mutex<WorkerState>,
+/// Buckets of `kvo_transfer_stats.size_buckets`.
+pub const KVO_SIZE_BUCKETS: usize = 11;
+const _: () = assert!(KVO_SIZE_BUCKETS == crate::transfer::SIZE_BUCKETS);
+
+/// A worker's counters for one direction (see `kvo_worker_stats`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvo_transfer_stats {
+    /// Jobs finished and handed out by `kvo_worker_poll` (or finished synchronously), failed
+    /// ones included.
+    pub jobs: u64,
+    /// Of those, the jobs that failed.
+    pub failed_jobs: u64,
+    /// Bytes copied by the jobs that succeeded.
+    pub bytes: u64,
+    /// Copy time of the jobs that succeeded, in seconds (device time for CUDA).
+    pub seconds: f64,
+    /// Jobs that succeeded per size, not cumulative: bucket `i` counts jobs of at most 1e6,
+    /// 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6 bytes (and above the bucket
+    /// before); the last bucket counts larger jobs. vLLM's buckets.
+    pub size_buckets: [u64; KVO_SIZE_BUCKETS],
 }
 
-struct WorkerState {
+impl From<DirectionStats> for kvo_transfer_stats {
+    fn from(d: DirectionStats) -> Self {
+        Self {
+            jobs: d.jobs,
+            failed_jobs: d.failed_jobs,
+            bytes: d.bytes,
+            seconds: d.seconds,
+            size_buckets: d.size_buckets,
+        }
+    }
+}
+
+/// Counters and gauges of a worker. Set `struct_size` before `kvo_worker_get_stats`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvo_worker_stats {
+    /// `sizeof(kvo_worker_stats)` as the caller knows it; only that many bytes are written.
+    pub struct_size: usize,
+    /// Loads: host tier → KV tensors (and `kvo_worker_swap_blocks` into device tensors).
+    pub load: kvo_transfer_stats,
+    /// Stores: KV tensors → host tier (and `kvo_worker_swap_blocks` into host tensors).
+    pub store: kvo_transfer_stats,
+    /// Jobs submitted and not yet handed out by `kvo_worker_poll`.
+    pub jobs_in_flight: u64,
+}
+
+/// Block copies between registered KV tensors and the host tier. Opaque.
+pub struct kvo_worker {
+    /// Shared by every call: waits do not hold a lock other calls need.
     worker: Worker,
-    /// Messages of the last failed jobs handed out.
-    errors: VecDeque<(u64, String)>,
+    polled: Mutex<Polled>,
+}
+
+/// What the latest `kvo_worker_poll` handed out.
+struct Polled {
+    /// Messages of the failed jobs handed out by the latest poll that handed out any job.
+    errors: Vec<(u64, String)>,
     scratch: Vec<Completion>,
 }
 
-const KEPT_ERRORS: usize = 1024;
-
 impl kvo_worker {
-    fn get(&self) -> Result<MutexGuard<'_, WorkerState>, Failure> {
-        lock(&self.inner, "worker")
+    fn polled(&self) -> Result<MutexGuard<'_, Polled>, Failure> {
+        lock(&self.polled, "worker")
     }
 }
 
@@ -157,8 +208,9 @@ pub unsafe extern "C" fn kvo_worker_config_default(out: *mut kvo_worker_config) 
 /// config (struct_size, zero factor or slots, unknown backend), an empty, overlapping, misaligned
 /// or zero-sized registration, device tensors with the host backend, or a host buffer too small;
 /// `KVO_STATUS_CUDA_UNAVAILABLE` / `KVO_STATUS_CUDA_ERROR` for the CUDA backend without a
-/// usable driver or device; `KVO_STATUS_OUT_OF_MEMORY` if the host tier cannot be allocated;
-/// `KVO_STATUS_IO_ERROR` if page-locking or threads cannot be had.
+/// usable driver or device; `KVO_STATUS_OUT_OF_MEMORY` if the host tier cannot be allocated or is
+/// larger than the machine's memory (checked before any memory is touched); `KVO_STATUS_IO_ERROR`
+/// if threads cannot be had. On failure everything allocated or page-locked is released.
 ///
 /// # Safety
 /// `cfg` NULL or `cfg->struct_size` readable bytes; `tensors` NULL or `n_tensors` entries;
@@ -210,18 +262,17 @@ pub unsafe extern "C" fn kvo_worker_new(
             let hb = unsafe { slice(host_buffers, n_tensors, "host_buffers") }?;
             Some(hb.iter().map(|h| (h.ptr as *mut u8, h.len)).collect())
         };
-        let w = Worker::new(config, &kv, mem.as_deref())?;
-        let state = WorkerState {
-            worker: w,
-            errors: VecDeque::new(),
-            scratch: Vec::new(),
-        };
+        let worker = Worker::new(config, &kv, mem.as_deref())?;
         // SAFETY: `out`, checked non-NULL above, is writable (the contract).
         unsafe {
             give(
                 out,
                 kvo_worker {
-                    inner: Mutex::new(state),
+                    worker,
+                    polled: Mutex::new(Polled {
+                        errors: Vec::new(),
+                        scratch: Vec::new(),
+                    }),
                 },
             )
         };
@@ -273,8 +324,7 @@ pub unsafe extern "C" fn kvo_worker_submit_job(
         // SAFETY: forwarded from the caller.
         let dst = unsafe { slice(dst, n_dst, "dst") }?;
         // SAFETY: forwarded from the caller.
-        let mut st = unsafe { worker(w) }?.get()?;
-        st.worker.submit(
+        unsafe { worker(w) }?.worker.submit(
             job_id,
             &JobBlocks {
                 kind,
@@ -288,16 +338,22 @@ pub unsafe extern "C" fn kvo_worker_submit_job(
     })
 }
 
-/// Executes a step plan (from `kvo_scheduler_build_step` or `kvo_step_decode`): first blocks
-/// until the plan's flush set has finished (jobs of earlier steps that must not overlap this
-/// step's copies or forward pass; ids already finished and handed out are skipped), then submits
-/// every job, loads first. `compute_stream` as for `kvo_worker_submit_job`. When it returns, the
-/// forward pass may run.
+/// Executes a step plan (from `kvo_scheduler_build_step` or `kvo_step_decode`); call it before
+/// the step's forward pass. It submits the stores deferred from the previous plan (whose forward
+/// pass has been issued by now), blocks until the plan's flush set has finished (jobs of earlier
+/// steps that must not overlap this step's copies or forward pass; ids already finished and
+/// handed out are skipped), submits the plan's loads, and defers the plan's stores: they read the
+/// KV that this step's forward pass writes, so they are submitted by the next
+/// `kvo_worker_submit_step`, by `kvo_worker_submit_stores`, or by a `kvo_worker_wait` naming one
+/// of them (vLLM 0.24 likewise submits step N's stores at step N + 1). `compute_stream` (CUDA) is
+/// the stream the forward pass runs on: deferred stores start after the work queued on it when
+/// they are submitted. When it returns, the forward pass may run. The plan's job ids are in use
+/// from the start of the call; other calls on the worker proceed while it waits.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if the plan's
 /// block_size_factor differs from the worker's; `KVO_STATUS_INVALID_STATE` if a job id is in use
-/// or repeated in the plan, or after shutdown (then nothing is submitted); `KVO_STATUS_CUDA_ERROR`
-/// if the driver fails while waiting.
+/// or repeated in the plan, or when the worker is shut down before or during the wait (then
+/// nothing is submitted); `KVO_STATUS_CUDA_ERROR` if the driver fails while waiting.
 ///
 /// # Safety
 /// `w`, `step` NULL or live.
@@ -312,8 +368,29 @@ pub unsafe extern "C" fn kvo_worker_submit_step(
         // SAFETY: forwarded from the caller.
         let step = unsafe { handle(step, "step") }?;
         // SAFETY: forwarded from the caller.
-        let mut st = unsafe { worker(w) }?.get()?;
-        step.with_step(|s| st.worker.submit_step(s, compute_stream))??;
+        let w = unsafe { worker(w) }?;
+        step.with_step(|s| w.worker.submit_step(s, compute_stream))??;
+        Ok(())
+    })
+}
+
+/// Submits the stores deferred from the last plan (see `kvo_worker_submit_step`) now. Call it once
+/// the last plan's forward pass has been issued when no further plan follows soon (the last step,
+/// an idle engine); with CUDA the stores start after the work then queued on that plan's
+/// compute stream.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_STATE` after shutdown
+/// (then nothing is submitted).
+///
+/// # Safety
+/// `w` NULL or live.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_worker_submit_stores(w: *mut kvo_worker) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let w = unsafe { worker(w) }?;
+        w.worker.submit_stores()?;
         Ok(())
     })
 }
@@ -340,14 +417,18 @@ pub unsafe extern "C" fn kvo_worker_poll(
     guard(|| {
         non_null(out_n, "out_n")?;
         // SAFETY: forwarded from the caller.
-        let mut guard = unsafe { worker(w) }?.get()?;
-        let st = &mut *guard;
+        let w = unsafe { worker(w) }?;
         // SAFETY: forwarded from the caller.
         let out = unsafe { slice_mut(out, cap, "out") }?;
-        st.scratch.clear();
-        st.worker.poll(&mut st.scratch, cap)?;
-        let n = st.scratch.len();
-        for (slot, c) in out.iter_mut().zip(st.scratch.drain(..)) {
+        let mut guard = w.polled()?;
+        let p = &mut *guard;
+        p.scratch.clear();
+        w.worker.poll(&mut p.scratch, cap)?;
+        let n = p.scratch.len();
+        if n > 0 {
+            p.errors.clear();
+        }
+        for (slot, c) in out.iter_mut().zip(p.scratch.drain(..)) {
             *slot = kvo_completion {
                 job_id: c.job_id,
                 bytes: c.bytes,
@@ -356,10 +437,7 @@ pub unsafe extern "C" fn kvo_worker_poll(
                 reserved: 0,
             };
             if let Some(e) = c.error {
-                if st.errors.len() == KEPT_ERRORS {
-                    st.errors.pop_front();
-                }
-                st.errors.push_back((c.job_id, e));
+                p.errors.push((c.job_id, e));
             }
         }
         // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
@@ -368,11 +446,14 @@ pub unsafe extern "C" fn kvo_worker_poll(
     })
 }
 
-/// Copies the message of a failed job handed out by `kvo_worker_poll` (the last 1024 are kept)
-/// into `buf` (NUL-terminated, truncated) and writes its full length to `*out_len`.
+/// Copies the message of a failed job into `buf` (NUL-terminated, truncated) and writes its full
+/// length to `*out_len`. A failed job's message is kept with its completion until
+/// `kvo_worker_poll` hands the completion out, and then until the next `kvo_worker_poll` that
+/// hands out any job: read the messages of a poll's failed jobs before polling again (however
+/// many failed).
 ///
-/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` if no message is
-/// kept for `job_id`.
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` if `job_id` is not
+/// a failed job of the latest poll that handed out jobs.
 ///
 /// # Safety
 /// `w` NULL or live; `buf` NULL or `len` writable bytes; `out_len` NULL or writable.
@@ -388,8 +469,8 @@ pub unsafe extern "C" fn kvo_worker_job_error(
     guard(|| {
         non_null(out_len, "out_len")?;
         // SAFETY: forwarded from the caller.
-        let st = unsafe { worker(w) }?.get()?;
-        let msg = st
+        let p = unsafe { worker(w) }?.polled()?;
+        let msg = p
             .errors
             .iter()
             .rev()
@@ -398,7 +479,7 @@ pub unsafe extern "C" fn kvo_worker_job_error(
             .ok_or_else(|| {
                 Failure::new(
                     kvo_status::NotFound,
-                    format!("job_id: no error kept for job {job_id}"),
+                    format!("job_id: {job_id} is not a failed job of the latest poll"),
                 )
             })?;
         // SAFETY: forwarded from the caller.
@@ -410,8 +491,11 @@ pub unsafe extern "C" fn kvo_worker_job_error(
     })
 }
 
-/// Blocks until every listed job has finished, or `timeout_ms` passes. Completions remain to be
-/// polled. (`kvo_worker_submit_step` already waits for a plan's flush set.)
+/// Blocks until every listed job has finished, or `timeout_ms` passes. Naming a store deferred
+/// by `kvo_worker_submit_step` submits the deferred stores first (so wait only once the step's
+/// forward pass has been issued). Completions remain to be polled; a job handed out by another
+/// thread's `kvo_worker_poll` meanwhile counts as finished. Other calls on the worker proceed
+/// while it waits. (`kvo_worker_submit_step` already waits for a plan's flush set.)
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_NOT_FOUND` for an id never
 /// submitted or already handed out by `kvo_worker_poll`; `KVO_STATUS_TIMEOUT`;
@@ -431,18 +515,22 @@ pub unsafe extern "C" fn kvo_worker_wait(
         // SAFETY: forwarded from the caller.
         let ids = unsafe { slice(job_ids, n, "job_ids") }?;
         // SAFETY: forwarded from the caller.
-        let mut st = unsafe { worker(w) }?.get()?;
-        st.worker.wait(ids, Duration::from_millis(timeout_ms))?;
+        let w = unsafe { worker(w) }?;
+        w.worker.wait(ids, Duration::from_millis(timeout_ms))?;
         Ok(())
     })
 }
 
 /// Copies block `src_blocks[i]` of tensor `src_tensor` to block `dst_blocks[i]` of tensor
 /// `dst_tensor` (indices into the registration; equal page sizes). With `as_job` non-zero the copy
-/// is queued as job `job_id` and reported by `kvo_worker_poll`; otherwise it runs now.
+/// is queued as job `job_id` and reported by `kvo_worker_poll`; otherwise it runs now and the call
+/// returns when it is done.
 ///
-/// The copies have no order among themselves, so within one tensor a block may not be both a
-/// source and a destination.
+/// Either way the copy is queued behind the jobs already submitted in its direction (a destination
+/// tensor in device memory: behind the loads; in host memory: behind the stores), so a synchronous
+/// swap also waits for those. Other calls on the worker proceed while it waits. The copies have
+/// no order among themselves, so within one tensor a block may not be both a source and a
+/// destination.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for tensor
 /// indices, block ids or page sizes that do not fit, or a block both read and written;
@@ -470,9 +558,9 @@ pub unsafe extern "C" fn kvo_worker_swap_blocks(
         // SAFETY: forwarded from the caller.
         let d = unsafe { slice(dst_blocks, n, "dst_blocks") }?;
         // SAFETY: forwarded from the caller.
-        let mut st = unsafe { worker(w) }?.get()?;
+        let w = unsafe { worker(w) }?;
         let id = (as_job != 0).then_some(job_id);
-        st.worker
+        w.worker
             .swap_blocks(src_tensor as usize, dst_tensor as usize, s, d, id)?;
         Ok(())
     })
@@ -498,8 +586,7 @@ pub unsafe extern "C" fn kvo_worker_get_host_buffer(
         non_null(out_ptr, "out_ptr")?;
         non_null(out_len, "out_len")?;
         // SAFETY: forwarded from the caller.
-        let st = unsafe { worker(w) }?.get()?;
-        let (p, len) = st.worker.host_buffer(tensor as usize)?;
+        let (p, len) = unsafe { worker(w) }?.worker.host_buffer(tensor as usize)?;
         // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
         unsafe { write(out_ptr, p as *mut c_void) };
         // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
@@ -508,8 +595,66 @@ pub unsafe extern "C" fn kvo_worker_get_host_buffer(
     })
 }
 
-/// Finishes every job in flight, then refuses new submissions (`KVO_STATUS_INVALID_STATE`).
-/// Completions stay pollable.
+/// Writes the counters and gauges to `*out` (only `out->struct_size` bytes).
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` if
+/// `out->struct_size` is smaller than `sizeof(size_t)`.
+///
+/// # Safety
+/// `w` NULL or live; `out` NULL or `out->struct_size` writable bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_worker_get_stats(
+    w: *const kvo_worker,
+    out: *mut kvo_worker_stats,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let st = unsafe { worker(w) }?.worker.stats()?;
+        let full = kvo_worker_stats {
+            struct_size: size_of::<kvo_worker_stats>(),
+            load: st.load.into(),
+            store: st.store.into(),
+            jobs_in_flight: st.jobs_in_flight,
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { write_sized(out, full, "out") }
+    })
+}
+
+/// Renders the worker's counters and gauges in the Prometheus text exposition format (0.0.4)
+/// into `buf`, as `kvo_manager_metrics_text` does (same arguments, statuses and safety).
+///
+/// # Safety
+/// As for `kvo_manager_metrics_text`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_worker_metrics_text(
+    w: *const kvo_worker,
+    prefix: *const c_char,
+    labels: *const kvo_label,
+    n_labels: usize,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { worker(w) }?;
+        non_null(out_len, "out_len")?;
+        // SAFETY: forwarded from the caller.
+        let naming = unsafe { naming(prefix, labels, n_labels) }?;
+        let stats = h.worker.stats()?;
+        let mut text = String::new();
+        crate::metrics::worker_text(&naming, &stats, &mut text)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { write_text(&text, buf, cap, out_len) }
+    })
+}
+
+/// Refuses new submissions from now on (`KVO_STATUS_INVALID_STATE`), then blocks until every job
+/// in flight has finished. Other calls on the worker (polls) proceed while it waits. Completions
+/// stay pollable.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_CUDA_ERROR`.
 ///
@@ -519,5 +664,5 @@ pub unsafe extern "C" fn kvo_worker_get_host_buffer(
 #[must_use]
 pub unsafe extern "C" fn kvo_worker_shutdown(w: *mut kvo_worker) -> kvo_status {
     // SAFETY: forwarded from the caller.
-    guard(|| Ok(unsafe { worker(w) }?.get()?.worker.shutdown()?))
+    guard(|| Ok(unsafe { worker(w) }?.worker.shutdown()?))
 }

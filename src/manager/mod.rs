@@ -13,7 +13,7 @@ mod lru;
 mod pool;
 mod tracker;
 
-pub use events::{Event, EventLog};
+pub use events::{Event, EventLog, MIN_EVENT_KEYS};
 
 use crate::error::{Error, Result, invalid};
 use keys::{KeyTable, key_eq};
@@ -48,7 +48,9 @@ pub struct ManagerConfig {
     pub store_threshold: u32,
     /// Keys the store-threshold filter tracks (least recently looked up dropped first); `>= 1`.
     pub max_tracker_size: usize,
-    /// Buffer stored / removed events for [`Manager::take_events`].
+    /// Buffer stored / removed events for [`Manager::take_events`]: at most
+    /// `max(4 * num_slots, MIN_EVENT_KEYS)` keys, the oldest events dropped beyond that
+    /// ([`ManagerStats::events_dropped`]).
     pub enable_events: bool,
 }
 
@@ -128,6 +130,8 @@ pub struct ManagerStats {
     pub stores_skipped: u64,
     /// Keys evicted (cumulative).
     pub evictions: u64,
+    /// Events dropped, oldest first, because the buffer was full (cumulative).
+    pub events_dropped: u64,
 }
 
 /// The policy, inline (not boxed: every key's step reads it, and there is one per manager).
@@ -237,7 +241,7 @@ impl Manager {
         let tracker = (cfg.store_threshold >= 2)
             .then(|| Tracker::new(cfg.store_threshold, cfg.max_tracker_size, &keys));
         Ok(Self {
-            events: EventLog::new(cfg.key_len),
+            events: EventLog::new(cfg.key_len, event_bound(n)),
             stats: ManagerStats {
                 capacity: n as u64,
                 ..Default::default()
@@ -947,7 +951,10 @@ impl Manager {
 
     /// Takes the buffered events, oldest first.
     pub fn take_events(&mut self) -> EventLog {
-        std::mem::replace(&mut self.events, EventLog::new(self.cfg.key_len))
+        let fresh = EventLog::new(self.cfg.key_len, self.events.max_keys());
+        let log = std::mem::replace(&mut self.events, fresh);
+        self.stats.events_dropped += log.dropped();
+        log
     }
 
     /// Buffered events, oldest first (not drained).
@@ -958,6 +965,7 @@ impl Manager {
     /// Current counters and gauges.
     pub fn stats(&self) -> ManagerStats {
         let mut s = self.stats;
+        s.events_dropped += self.events.dropped();
         s.used = self.pool.num_used() as u64;
         s.ready = s.used - s.stores_in_flight;
         s
@@ -1045,6 +1053,11 @@ impl Manager {
             e != list::NIL && self.find(self.keys.key(e)) == Some(s)
         })
     }
+}
+
+/// Keys the event buffer of a tier of `num_slots` slots holds at most.
+fn event_bound(num_slots: usize) -> usize {
+    num_slots.saturating_mul(4).max(MIN_EVENT_KEYS)
 }
 
 /// `n` copies of `value`, or [`Error::OutOfMemory`] (large tiers must not abort the host).

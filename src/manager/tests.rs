@@ -828,3 +828,41 @@ fn no_room_writes_no_output() {
     ));
     assert_eq!((idx, slots, ev), ([7; 2], [7; 2], [7; 16]));
 }
+
+#[test]
+fn events_not_taken_are_bounded_and_counted() {
+    let mut m = Manager::new(ManagerConfig {
+        key_len: 8,
+        num_slots: 16,
+        enable_events: true,
+        ..Default::default()
+    })
+    .unwrap();
+    // 200k keys stored and evicted through 16 slots, never taken: 400k events of one key.
+    let mut plan = StorePlan::default();
+    for i in 0..200_000u64 {
+        let k = i.to_be_bytes();
+        assert_eq!(m.prepare_store(&k, &mut plan).unwrap().stored, 1);
+        m.complete_store(&k, true).unwrap();
+    }
+    let log = m.events();
+    assert!(log.num_keys() <= MIN_EVENT_KEYS, "{} keys", log.num_keys());
+    let s = m.stats();
+    assert_eq!(
+        s.events_dropped + log.len() as u64,
+        200_000 + (200_000 - 16)
+    );
+    assert!(s.events_dropped > 0);
+    // The newest event is the last store.
+    let last = log.iter().last().unwrap();
+    assert_eq!(
+        (last.removed, last.keys),
+        (false, &199_999u64.to_be_bytes()[..])
+    );
+    let dropped = s.events_dropped;
+    let kept = log.len();
+    let taken = m.take_events();
+    assert_eq!(taken.iter().count(), kept);
+    assert_eq!(m.stats().events_dropped, dropped, "kept after the take");
+    assert!(m.events().is_empty());
+}

@@ -4,6 +4,7 @@
 
 use crate::error::Result;
 use crate::plan::Direction;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 /// One copy: `size` bytes from address `src` to address `dst`.
@@ -59,4 +60,38 @@ pub trait Backend: Send {
     /// Blocks until every job of `job_ids` that is still queued has finished, or `timeout`
     /// passes ([`crate::Error::Timeout`]). Ids the backend does not know are ignored.
     fn wait(&mut self, job_ids: &[u64], timeout: Duration) -> Result<()>;
+
+    /// A count of finished jobs that threads can sleep on without holding the backend, if the
+    /// backend keeps one (the host backend); without, waiting threads poll.
+    fn progress(&self) -> Option<Arc<Progress>> {
+        None
+    }
+}
+
+/// A count of jobs finished, with a condition variable: a thread reads [`Progress::count`],
+/// looks for completions, and if it must wait sleeps in [`Progress::wait_past`] until the count
+/// moves on (no finish in between is missed).
+#[derive(Debug, Default)]
+pub struct Progress {
+    count: Mutex<u64>,
+    cv: Condvar,
+}
+
+impl Progress {
+    /// Jobs finished so far.
+    pub fn count(&self) -> u64 {
+        *self.count.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts one more finished job and wakes the sleepers.
+    pub fn bump(&self) {
+        *self.count.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        self.cv.notify_all();
+    }
+
+    /// Sleeps until the count is above `seen` or `timeout` passes.
+    pub fn wait_past(&self, seen: u64, timeout: Duration) {
+        let guard = self.count.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = self.cv.wait_timeout_while(guard, timeout, |c| *c <= seen);
+    }
 }

@@ -42,6 +42,10 @@ const CUDA_ERROR_NOT_READY: CuResult = sys::CUresult::CUDA_ERROR_NOT_READY as Cu
 const HOST_MEMORY_ALREADY_REGISTERED: CuResult =
     sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED as CuResult;
 
+/// Most bytes page-locked by one `cuMemHostRegister` call (vLLM pins in pieces of at most
+/// 64 GiB: drivers refuse single registrations of several hundred GiB).
+pub const PIN_CHUNK_BYTES: usize = 64 << 30;
+
 /// The oldest driver (`cuDriverGetVersion`) with `cuMemcpyBatchAsync`.
 const BATCH_MIN_DRIVER_VERSION: c_int = 12080;
 
@@ -361,8 +365,11 @@ pub struct CudaBackend {
     event_pool: Vec<sys::CUevent>,
     /// Use `cuMemcpyBatchAsync` (only when the driver has it).
     use_batch: bool,
-    /// Host ranges registered through this backend and not unregistered yet.
-    registered: Vec<usize>,
+    /// Host ranges registered through this backend and not unregistered yet: (start, the
+    /// pieces this backend page-locked).
+    registered: Vec<(usize, Vec<usize>)>,
+    /// Most bytes page-locked by one `cuMemHostRegister` call.
+    pin_chunk: usize,
     scratch_src: Vec<sys::CUdeviceptr>,
     scratch_dst: Vec<sys::CUdeviceptr>,
     scratch_size: Vec<usize>,
@@ -421,6 +428,7 @@ impl CudaBackend {
             event_pool: Vec::new(),
             use_batch: api.batch.is_some() && driver_version >= BATCH_MIN_DRIVER_VERSION,
             registered: Vec::new(),
+            pin_chunk: PIN_CHUNK_BYTES,
             scratch_src: Vec::new(),
             scratch_dst: Vec::new(),
             scratch_size: Vec::new(),
@@ -464,6 +472,17 @@ impl CudaBackend {
     pub fn set_batch_copy(&mut self, on: bool) -> bool {
         self.use_batch = on && self.batch_copy_available();
         self.use_batch
+    }
+
+    /// Most bytes one `cuMemHostRegister` call page-locks ([`PIN_CHUNK_BYTES`] unless changed).
+    pub fn pin_chunk(&self) -> usize {
+        self.pin_chunk
+    }
+
+    /// Sets the most bytes one `cuMemHostRegister` call page-locks (rounded up to 4096, at
+    /// least 4096); for drivers with a lower ceiling, and for tests.
+    pub fn set_pin_chunk(&mut self, bytes: usize) {
+        self.pin_chunk = bytes.max(1).next_multiple_of(4096);
     }
 
     /// Number of jobs queued and not yet reported by [`Backend::poll`] in direction `dir`.
@@ -685,6 +704,9 @@ impl CudaBackend {
 }
 
 impl Backend for CudaBackend {
+    /// Page-locks the range in pieces of at most [`CudaBackend::pin_chunk`] bytes (drivers
+    /// refuse very large single registrations); if a piece fails, the pieces locked before it
+    /// are unlocked again and nothing stays registered.
     fn register_host(&mut self, ptr: *mut u8, len: usize) -> Result<()> {
         if ptr.is_null() {
             return Err(crate::error::invalid!(
@@ -697,21 +719,36 @@ impl Backend for CudaBackend {
             ));
         }
         let _current = self.enter()?;
-        // SAFETY: the caller owns `len` bytes at `ptr`; the driver page-locks them (or fails).
-        let rc = unsafe { (self.api.host_register)(ptr.cast(), len, HOST_REGISTER_PORTABLE) };
-        if rc == HOST_MEMORY_ALREADY_REGISTERED {
-            // The caller's memory is pinned already (e.g. cudaHostAlloc): usable as is, and not
-            // ours to unregister.
-            return Ok(());
+        let mut pieces = Vec::with_capacity(len.div_ceil(self.pin_chunk));
+        for off in (0..len).step_by(self.pin_chunk) {
+            let (p, n) = (ptr.wrapping_add(off), self.pin_chunk.min(len - off));
+            // SAFETY: the caller owns `len` bytes at `ptr`; the driver page-locks this piece of
+            // them (or fails).
+            let rc = unsafe { (self.api.host_register)(p.cast(), n, HOST_REGISTER_PORTABLE) };
+            if rc == HOST_MEMORY_ALREADY_REGISTERED {
+                // The caller's memory is pinned already (e.g. cudaHostAlloc): usable as is, and
+                // not ours to unregister.
+                continue;
+            }
+            if rc != CUDA_SUCCESS {
+                for &q in &pieces {
+                    // SAFETY: registered just above by this call.
+                    let _ = unsafe { (self.api.host_unregister)(q as *mut c_void) };
+                }
+                return Err(self.api.error(
+                    "cuMemHostRegister",
+                    rc,
+                    &format!(
+                        " (ptr {ptr:p}, {len} bytes: piece at offset {off} of {n} bytes; {} pieces before it unregistered)",
+                        pieces.len()
+                    ),
+                ));
+            }
+            pieces.push(p as usize);
         }
-        if rc != CUDA_SUCCESS {
-            return Err(self.api.error(
-                "cuMemHostRegister",
-                rc,
-                &format!(" (ptr {ptr:p}, {len} bytes)"),
-            ));
+        if !pieces.is_empty() {
+            self.registered.push((ptr as usize, pieces));
         }
-        self.registered.push(ptr as usize);
         Ok(())
     }
 
@@ -721,15 +758,23 @@ impl Backend for CudaBackend {
         }
         let _current = self.enter()?;
         // Whatever the driver answers, the range must not be unregistered again at drop.
-        self.registered.retain(|&p| p != ptr as usize);
-        // SAFETY: the driver looks the address up in its registrations and fails if unknown.
-        let rc = unsafe { (self.api.host_unregister)(ptr.cast()) };
-        if rc != CUDA_SUCCESS {
-            return Err(self
-                .api
-                .error("cuMemHostUnregister", rc, &format!(" (ptr {ptr:p})")));
+        let pieces = match self.registered.iter().position(|r| r.0 == ptr as usize) {
+            Some(i) => self.registered.swap_remove(i).1,
+            None => vec![ptr as usize],
+        };
+        let mut result = Ok(());
+        for p in pieces {
+            // SAFETY: the driver looks the address up in its registrations and fails if unknown.
+            let rc = unsafe { (self.api.host_unregister)(p as *mut c_void) };
+            if rc != CUDA_SUCCESS && result.is_ok() {
+                result = Err(self.api.error(
+                    "cuMemHostUnregister",
+                    rc,
+                    &format!(" (ptr {:p})", p as *mut u8),
+                ));
+            }
         }
-        Ok(())
+        result
     }
 
     /// Queues the job on its direction's stream. On error nothing is queued, the job will not
@@ -880,9 +925,11 @@ impl Drop for CudaBackend {
                     let _ = unsafe { (api.stream_synchronize)(stream) };
                 }
             }
-            for ptr in std::mem::take(&mut self.registered) {
-                // SAFETY: registered by this backend and not unregistered since.
-                let _ = unsafe { (api.host_unregister)(ptr as *mut c_void) };
+            for (_, pieces) in std::mem::take(&mut self.registered) {
+                for ptr in pieces {
+                    // SAFETY: registered by this backend and not unregistered since.
+                    let _ = unsafe { (api.host_unregister)(ptr as *mut c_void) };
+                }
             }
             let mut events = std::mem::take(&mut self.event_pool);
             for fifo in &mut self.fifos {

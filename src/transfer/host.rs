@@ -1,7 +1,7 @@
 //! Host backend: executes copy descriptors with `memcpy` on worker threads, one FIFO lane per
 //! direction; a large job is split across several threads.
 
-use super::backend::{Backend, Completion, CopyDesc};
+use super::backend::{Backend, Completion, CopyDesc, Progress};
 use crate::error::{Error, Result};
 use crate::plan::Direction;
 use hashbrown::HashSet;
@@ -51,6 +51,7 @@ struct Lane {
 /// The host backend: memcpy on a thread per direction, `threads` threads for large jobs.
 pub struct HostBackend {
     lanes: [Lane; 2],
+    progress: Arc<Progress>,
 }
 
 impl HostBackend {
@@ -58,16 +59,17 @@ impl HostBackend {
     /// [`MAX_THREADS`]; other values are clamped).
     pub fn new(threads: usize) -> Result<Self> {
         let threads = threads.clamp(1, MAX_THREADS);
+        let progress = Arc::new(Progress::default());
         let lane = |name: &str| -> Result<Lane> {
             let shared = Arc::new(Shared {
                 state: Mutex::new(LaneState::default()),
                 cv: Condvar::new(),
             });
             let (tx, rx) = channel();
-            let s = shared.clone();
+            let (s, p) = (shared.clone(), progress.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("kvo-{name}"))
-                .spawn(move || run_lane(rx, s, threads))
+                .spawn(move || run_lane(rx, s, &p, threads))
                 .map_err(|e| Error::Io(format!("spawning the {name} copy thread: {e}")))?;
             Ok(Lane {
                 tx: Some(tx),
@@ -77,6 +79,7 @@ impl HostBackend {
         };
         Ok(Self {
             lanes: [lane("load")?, lane("store")?],
+            progress,
         })
     }
 
@@ -85,7 +88,7 @@ impl HostBackend {
     }
 }
 
-fn run_lane(rx: Receiver<Task>, shared: Arc<Shared>, threads: usize) {
+fn run_lane(rx: Receiver<Task>, shared: Arc<Shared>, progress: &Progress, threads: usize) {
     while let Ok(task) = rx.recv() {
         let start = Instant::now();
         let bytes: u64 = task.descs.iter().map(|d| d.size).sum();
@@ -109,6 +112,7 @@ fn run_lane(rx: Receiver<Task>, shared: Arc<Shared>, threads: usize) {
         st.spare.push(descs);
         drop(st);
         shared.cv.notify_all();
+        progress.bump();
     }
 }
 
@@ -157,6 +161,10 @@ fn copy_split(descs: &[CopyDesc], bytes: u64, threads: usize) {
 }
 
 impl Backend for HostBackend {
+    fn progress(&self) -> Option<Arc<Progress>> {
+        Some(self.progress.clone())
+    }
+
     fn register_host(&mut self, _ptr: *mut u8, _len: usize) -> Result<()> {
         Ok(())
     }

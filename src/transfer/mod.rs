@@ -7,11 +7,13 @@ pub mod copy_plan;
 pub mod cuda;
 pub mod host;
 pub mod layout;
+pub mod stats;
 pub mod worker;
 
 pub use backend::{Backend, Completion, CopyDesc};
 pub use copy_plan::JobBlocks;
 pub use layout::KvTensor;
+pub use stats::{DirectionStats, SIZE_BUCKET_BOUNDS, SIZE_BUCKETS, WorkerStats};
 pub use worker::{BackendKind, Worker, WorkerConfig};
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-/* The C example of README.md, kept identical to it; compiled and run by tests/c_api.rs. */
+/* README.md's C example, kept identical; run by tests/c_api.rs and tests/install.rs. */
 #include <kvoffload.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,7 +15,7 @@
 
 /* Runs one step's plan on the worker and reports its completions to the scheduler. */
 static void run_step(kvo_scheduler *s, kvo_worker *w, kvo_step *step) {
-  CHECK(kvo_worker_submit_step(w, step, 0)); /* waits for the flush set, queues the copies */
+  CHECK(kvo_worker_submit_step(w, step, 0)); /* waits for the flush set, queues the loads */
   kvo_step_info info;
   CHECK(kvo_step_get_info(step, &info));
   for (size_t i = 0; i < info.num_jobs; i++) {
