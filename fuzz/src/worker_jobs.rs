@@ -60,6 +60,8 @@ enum Op {
         job: Option<u8>,
     },
     Check,
+    /// Submits the stores held from the last plan.
+    SubmitStores,
     Shutdown,
 }
 
@@ -199,6 +201,9 @@ struct Harness {
     shut_down: bool,
     /// Last sequence number polled per direction (store, load).
     last_seq: [u64; 2],
+    /// The stores of the last plan: the worker holds them until the next plan, a wait naming
+    /// one, `submit_stores` or shutdown; their place in the store queue is known then.
+    held: Vec<u64>,
 }
 
 impl Harness {
@@ -222,9 +227,23 @@ impl Harness {
         unsafe { std::slice::from_raw_parts(p, len) }.to_vec()
     }
 
+    /// The held stores enter the store queue now (in plan order).
+    fn release_held(&mut self) {
+        for id in std::mem::take(&mut self.held) {
+            let p = self.pending.get_mut(&id).expect("held store pending");
+            if p.ok {
+                self.seq += 1;
+                p.seq = self.seq;
+            }
+        }
+    }
+
     fn wait_ids(&mut self, ids: &[u64]) {
         if ids.is_empty() {
             return;
+        }
+        if ids.iter().any(|id| self.held.contains(id)) {
+            self.release_held();
         }
         self.w
             .wait(ids, Duration::from_secs(60))
@@ -340,6 +359,10 @@ impl Harness {
     }
 
     fn compare(&mut self) {
+        if !self.shut_down {
+            self.w.submit_stores().expect("submit_stores");
+            self.release_held();
+        }
         self.wait_all();
         for m in 0..self.mem.model.len() {
             let real = self.real(m);
@@ -427,6 +450,7 @@ pub fn run(input: &Input) {
         seq: 0,
         shut_down: false,
         last_seq: [0, 0],
+        held: Vec::new(),
     };
     for op in &input.ops {
         apply(&mut h, op);
@@ -513,6 +537,8 @@ fn apply(h: &mut Harness, op: &Op) {
             };
             if *unknown {
                 list.push(1000);
+            } else if list.iter().any(|id| h.held.contains(id)) {
+                h.release_held();
             }
             let r = h.w.wait(&list, Duration::from_secs(60));
             if *unknown {
@@ -535,7 +561,15 @@ fn apply(h: &mut Harness, op: &Op) {
             job,
         } => swap(h, *src_t, *dst_t, src, dst, *job),
         Op::Check => h.compare(),
+        Op::SubmitStores => {
+            let r = h.w.submit_stores();
+            assert_eq!(r.is_ok(), !h.shut_down, "submit_stores: {r:?}");
+            if r.is_ok() {
+                h.release_held();
+            }
+        }
         Op::Shutdown => {
+            h.release_held();
             h.w.shutdown().expect("shutdown");
             h.shut_down = true;
             for p in h.pending.values_mut() {
@@ -611,6 +645,8 @@ fn step(h: &mut Harness, jobs: &[(u8, JobSpec)], flush: &[u8]) {
         return;
     }
     r.expect("submit_step");
+    // The previous plan's stores were submitted first.
+    h.release_held();
     for id in &plan.flush {
         if let Some(p) = h.pending.get_mut(id) {
             p.running = false;
@@ -642,6 +678,11 @@ fn step(h: &mut Harness, jobs: &[(u8, JobSpec)], flush: &[u8]) {
             apply_model(&mut h.mem, c);
         }
         h.record(id, kind, copies);
+        if kind == Direction::Store {
+            let p = h.pending.get_mut(&id).expect("recorded");
+            p.seq = 0;
+            h.held.push(id);
+        }
     }
     mark_unknown(&mut h.mem, &unknown);
 }
