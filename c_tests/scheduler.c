@@ -1226,6 +1226,137 @@ static void test_metrics_text(void) {
     kvo_scheduler_free(s);
 }
 
+/* kvo_scheduler_build_step_arrays gives the plan kvo_scheduler_build_step gives, and refuses
+ * bad arrays naming them, changing nothing; kvo_step_get_jobs reads every job at once. */
+static void test_arrays(void) {
+    kvo_scheduler *a = new_scheduler(1), *b = new_scheduler(1);
+    kvo_step *sa = new_step(), *sb = new_step();
+    for (int k = 0; k < 2; k++) {
+        kvo_scheduler *s = k ? b : a;
+        ADD(s, 1, 100, 24);
+        ADD(s, 2, 200, 12);
+        MATCH_MISS(s, 1, 0);
+        MATCH_MISS(s, 2, 0);
+    }
+    blocks_t b1 = blocks(0, 6), b2 = blocks(10, 13);
+    kvo_scheduled_request reqs[2] = {sched(1, 0, 24, 24, &b1), sched(2, 0, 12, 12, &b2)};
+    BUILD(a, sa, reqs, 2, NULL, 0);
+
+    const uint64_t ids[2] = {1, 2}, computed[2] = {0, 0}, scheduled[2] = {24, 12},
+                   tokens[2] = {24, 12}, counts[2] = {6, 3};
+    uint32_t all[9];
+    memcpy(all, b1.ids, 6 * sizeof all[0]);
+    memcpy(all + 6, b2.ids, 3 * sizeof all[0]);
+    const uint64_t too_many[2] = {6, 4}, overflow[2] = {UINT64_MAX, 10}, unknown[2] = {1, 9};
+    const uint64_t short_counts[2] = {1, 3};
+    const uint8_t resumed[2] = {0, 0};
+
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(NULL, 2, ids, computed, scheduled, tokens,
+                                                 counts, all, 9, NULL, NULL, 0, sb),
+              KVO_STATUS_NULL_ARGUMENT, "scheduler");
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, ids, computed, scheduled, tokens, counts,
+                                                 all, 9, NULL, NULL, 0, NULL),
+              KVO_STATUS_NULL_ARGUMENT, "step");
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, NULL, computed, scheduled, tokens,
+                                                 counts, all, 9, NULL, NULL, 0, sb),
+              KVO_STATUS_NULL_ARGUMENT, "request_ids");
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, ids, NULL, scheduled, tokens, counts, all,
+                                                 9, NULL, NULL, 0, sb),
+              KVO_STATUS_NULL_ARGUMENT, "num_computed_tokens");
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, ids, computed, NULL, tokens, counts, all,
+                                                 9, NULL, NULL, 0, sb),
+              KVO_STATUS_NULL_ARGUMENT, "num_scheduled_tokens");
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, ids, computed, scheduled, NULL, counts,
+                                                 all, 9, NULL, NULL, 0, sb),
+              KVO_STATUS_NULL_ARGUMENT, "num_tokens");
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, ids, computed, scheduled, tokens, NULL,
+                                                 all, 9, NULL, NULL, 0, sb),
+              KVO_STATUS_NULL_ARGUMENT, "n_new_block_ids");
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, ids, computed, scheduled, tokens, counts,
+                                                 NULL, 9, NULL, NULL, 0, sb),
+              KVO_STATUS_NULL_ARGUMENT, "block_ids");
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, ids, computed, scheduled, tokens, counts,
+                                                 all, 9, NULL, NULL, 1, sb),
+              KVO_STATUS_NULL_ARGUMENT, "preempted");
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, ids, computed, scheduled, tokens,
+                                                 too_many, all, 9, NULL, NULL, 0, sb),
+              KVO_STATUS_INVALID_ARGUMENT, "n_new_block_ids");
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, ids, computed, scheduled, tokens,
+                                                 overflow, all, 9, NULL, NULL, 0, sb),
+              KVO_STATUS_INVALID_ARGUMENT, "n_new_block_ids");
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, ids, computed, scheduled, tokens, counts,
+                                                 all, OVERFLOW_N, NULL, NULL, 0, sb),
+              KVO_STATUS_INVALID_ARGUMENT, "block_ids");
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, unknown, computed, scheduled, tokens,
+                                                 counts, all, 9, NULL, NULL, 0, sb),
+              KVO_STATUS_NOT_FOUND, "request_id");
+    /* request 1 given 1 block for 24 tokens (request 2 then gets the other 8 ids: the counts add
+     * up to 9 only with them; here they add up to 4, so use 4 ids). */
+    CHECK_BAD(b, kvo_scheduler_build_step_arrays(b, 2, ids, computed, scheduled, tokens,
+                                                 short_counts, all, 4, NULL, NULL, 0, sb),
+              KVO_STATUS_INVALID_ARGUMENT, "scheduled[0].new_block_ids");
+    CHECK(INFO(sb).num_jobs == 0); /* never written */
+
+    CHECK_OK(kvo_scheduler_build_step_arrays(b, 2, ids, computed, scheduled, tokens, counts, all,
+                                             9, resumed, NULL, 0, sb));
+    check_invariants(b, __LINE__);
+    CHECK(steps_equal(sa, sb, __LINE__));
+
+    /* kvo_step_get_jobs: the jobs and their blocks, back to back, as the per-job calls give. */
+    kvo_step_info info = INFO(sa);
+    CHECK(info.num_jobs == 2); /* one store job per request: 2 chunks, then 1 */
+    kvo_job_info infos[8];
+    uint32_t ids_out[64];
+    size_t nj = 12345, nb = 12345;
+    memset(infos, 0xab, sizeof infos);
+    CHECK_BAD_STEP(sa, kvo_step_get_jobs(sa, infos, 1, ids_out, 64, &nj, &nb),
+                   KVO_STATUS_BUFFER_TOO_SMALL, "jobs_cap");
+    CHECK(nj == 2 && nb == 12);
+    CHECK(infos[0].id == 0xababababababababULL);
+    nj = nb = 12345;
+    CHECK_BAD_STEP(sa, kvo_step_get_jobs(sa, infos, 8, ids_out, 11, &nj, &nb),
+                   KVO_STATUS_BUFFER_TOO_SMALL, "blocks_cap");
+    CHECK(nj == 2 && nb == 12);
+    nj = nb = 12345;
+    CHECK_BAD_STEP(sa, kvo_step_get_jobs(sa, NULL, 0, NULL, 0, &nj, &nb),
+                   KVO_STATUS_BUFFER_TOO_SMALL, "jobs_cap");
+    CHECK(nj == 2 && nb == 12);
+    nj = nb = 12345;
+    CHECK_BAD_STEP(sa, kvo_step_get_jobs(sa, NULL, 8, ids_out, 64, &nj, &nb),
+                   KVO_STATUS_NULL_ARGUMENT, "out_jobs");
+    CHECK_BAD_STEP(sa, kvo_step_get_jobs(sa, infos, 8, NULL, 64, &nj, &nb),
+                   KVO_STATUS_NULL_ARGUMENT, "out_blocks");
+    CHECK_BAD_STEP(sa, kvo_step_get_jobs(sa, infos, 8, ids_out, 64, NULL, &nb),
+                   KVO_STATUS_NULL_ARGUMENT, "out_n_jobs");
+    CHECK_BAD_STEP(sa, kvo_step_get_jobs(sa, infos, 8, ids_out, 64, &nj, NULL),
+                   KVO_STATUS_NULL_ARGUMENT, "out_n_blocks");
+    CHECK_STATUS(kvo_step_get_jobs(NULL, infos, 8, ids_out, 64, &nj, &nb),
+                 KVO_STATUS_NULL_ARGUMENT, "step");
+    CHECK(nj == 12345 && nb == 12345);
+    CHECK_OK(kvo_step_get_jobs(sa, infos, 8, ids_out, 64, &nj, &nb));
+    CHECK(nj == 2 && nb == 12);
+    size_t at = 0;
+    for (size_t k = 0; k < nj && k < 8; k++) {
+        job_t j = JOB(sa, k);
+        CHECK(memcmp(&j.info, &infos[k], sizeof j.info) == 0);
+        CHECK(memcmp(j.src, ids_out + at, j.info.n_src * sizeof ids_out[0]) == 0);
+        at += j.info.n_src;
+        CHECK(memcmp(j.dst, ids_out + at, j.info.n_dst * sizeof ids_out[0]) == 0);
+        at += j.info.n_dst;
+    }
+    CHECK(at == nb);
+    kvo_step *empty = new_step();
+    nj = nb = 12345;
+    CHECK_OK(kvo_step_get_jobs(empty, NULL, 0, NULL, 0, &nj, &nb));
+    CHECK(nj == 0 && nb == 0);
+
+    kvo_step_free(empty);
+    kvo_step_free(sa);
+    kvo_step_free(sb);
+    kvo_scheduler_free(a);
+    kvo_scheduler_free(b);
+}
+
 int main(void) {
     test_config_default();
     test_life_cycle();
@@ -1236,6 +1367,7 @@ int main(void) {
     test_bad_inputs();
     test_output_contracts();
     test_metrics_text();
+    test_arrays();
     printf("%d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
 }

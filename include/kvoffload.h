@@ -1305,6 +1305,41 @@ kvo_status kvo_scheduler_build_step(struct kvo_scheduler *s,
                                     struct kvo_step *step);
 
 /**
+ * `kvo_scheduler_build_step` with the scheduled requests given as arrays (one entry per
+ * request, `n_scheduled` entries each) instead of structs: request `i` is `request_ids[i]`,
+ * with `num_computed_tokens[i]`, `num_scheduled_tokens[i]`, `num_tokens[i]`, the next
+ * `n_new_block_ids[i]` ids of `block_ids` (the requests' new block ids back to back,
+ * `n_block_ids` in all) and resumed when `resumed` is non-NULL and `resumed[i]` non-zero.
+ * For hosts that keep their batch in arrays (Python, numpy): the same plan, one call.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle or a NULL array with
+ * entries; `KVO_STATUS_INVALID_ARGUMENT` when an array's size overflows the address space or
+ * the counts of `n_new_block_ids` do not add up to `n_block_ids`; otherwise as
+ * `kvo_scheduler_build_step` (`KVO_STATUS_NOT_FOUND`, `KVO_STATUS_INVALID_STATE`,
+ * `KVO_STATUS_INVALID_ARGUMENT`, naming `scheduled[i]` for request `i`). On failure nothing
+ * changes and `step` is not written.
+ *
+ * # Safety
+ * `s`, `step` NULL or live; the five per-request arrays and `resumed` NULL or `n_scheduled`
+ * readable entries; `block_ids` NULL or `n_block_ids` entries; `preempted` NULL or
+ * `n_preempted` entries.
+ */
+KVO_NODISCARD
+kvo_status kvo_scheduler_build_step_arrays(struct kvo_scheduler *s,
+                                           size_t n_scheduled,
+                                           const uint64_t *request_ids,
+                                           const uint64_t *num_computed_tokens,
+                                           const uint64_t *num_scheduled_tokens,
+                                           const uint64_t *num_tokens,
+                                           const uint64_t *n_new_block_ids,
+                                           const uint32_t *block_ids,
+                                           size_t n_block_ids,
+                                           const uint8_t *resumed,
+                                           const uint64_t *preempted,
+                                           size_t n_preempted,
+                                           struct kvo_step *step);
+
+/**
  * Counts worker reports. A job completes once `num_workers` reports arrived (failed if any
  * failed): a store's chunks become ready (or are rolled back); a load's keys are unpinned (on
  * failure also dropped from the tier, and `kvo_scheduler_load_failure` tells what the request
@@ -1497,6 +1532,29 @@ kvo_status kvo_step_get_job_blocks(const struct kvo_step *step,
                                    size_t src_cap,
                                    uint32_t *out_dst,
                                    size_t dst_cap);
+
+/**
+ * Copies every job of the plan at once: `kvo_job_info` of job `i` to `out_jobs[i]`, and the
+ * block ids of all jobs, back to back in job order (each job's `n_src` source ids, then its
+ * `n_dst` destination ids), to `out_blocks`. Writes the numbers of jobs and of block ids to
+ * `*out_n_jobs` and `*out_n_blocks`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_BUFFER_TOO_SMALL` if
+ * `jobs_cap` or `blocks_cap` is too small (both needed numbers are written to `*out_n_jobs` /
+ * `*out_n_blocks`, nothing else; pass 0 and 0 to ask).
+ *
+ * # Safety
+ * `step` is NULL or live; `out_jobs` NULL or `jobs_cap` writable entries; `out_blocks` NULL or
+ * `blocks_cap` writable entries; `out_n_jobs`, `out_n_blocks` NULL or writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_step_get_jobs(const struct kvo_step *step,
+                             struct kvo_job_info *out_jobs,
+                             size_t jobs_cap,
+                             uint32_t *out_blocks,
+                             size_t blocks_cap,
+                             size_t *out_n_jobs,
+                             size_t *out_n_blocks);
 
 /**
  * Copies the flush set (job ids to wait for before the forward pass, ascending) to `out_ids`

@@ -11,7 +11,6 @@ pub mod ffi;
 pub mod manager;
 pub mod metrics;
 pub mod plan;
-pub mod replay;
 pub mod scheduler;
 pub mod transfer;
 

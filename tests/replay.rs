@@ -1,22 +1,23 @@
-//! Replays of the shared request traces (`../shared/traces`): with room for every block, the tier's
-//! prefix hits equal an independent count of the ideal prefix-cache hits (the Mooncake paper's
-//! ~37 % and ~64 % of blocks); with a small tier, the Rust API and the C ABI give the same answers
-//! and the tier's invariants hold. Skipped (with a message) where the traces are absent.
+//! Tier replays of the Mooncake request traces (`../shared/traces`, not part of the repository:
+//! these tests are ignored by default; run them with `cargo test --test replay -- --ignored`,
+//! and they fail when the traces are missing): with room for every block, the tier's prefix
+//! hits equal an independent count of the ideal prefix-cache hits (the Mooncake paper's ~37 %
+//! and ~64 % of blocks); with a small tier, the Rust API and the C ABI give the same answers and
+//! the tier's invariants hold.
+
+#[path = "../benches/common/tier_replay.rs"]
+mod tier_replay;
 
 use kvoffload::manager::{ManagerConfig, Policy};
-use kvoffload::replay::{FfiTier, RustTier, TraceRequest, load_trace, replay, trace_keys};
 use std::collections::HashSet;
 use std::path::Path;
+use tier_replay::{FfiTier, RustTier, TraceRequest, load_trace, replay, trace_keys};
 
-fn trace(name: &str) -> Option<Vec<TraceRequest>> {
+fn trace(name: &str) -> Vec<TraceRequest> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../shared/traces")
         .join(name);
-    if !path.exists() {
-        eprintln!("skipped: {} not found", path.display());
-        return None;
-    }
-    Some(load_trace(&path).expect("the trace parses"))
+    load_trace(&path).unwrap_or_else(|e| panic!("{e} (the trace is not part of the repository)"))
 }
 
 /// Blocks that a prefix cache holding every block ever seen would hit.
@@ -35,12 +36,13 @@ fn ideal_hits(trace: &[TraceRequest]) -> u64 {
 }
 
 #[test]
+#[ignore = "reads ../shared/traces (not in the repository); run with --ignored"]
 fn unlimited_tier_hits_the_ideal_prefix_blocks() {
     for (name, paper) in [
         ("conversation_trace.jsonl", 0.37),
         ("synthetic_trace.jsonl", 0.64),
     ] {
-        let Some(t) = trace(name) else { continue };
+        let t = trace(name);
         let blocks: u64 = t.iter().map(|r| r.hash_ids.len() as u64).sum();
         let requests = trace_keys(&t, 8);
         for policy in [Policy::Lru, Policy::Arc] {
@@ -65,10 +67,9 @@ fn unlimited_tier_hits_the_ideal_prefix_blocks() {
 }
 
 #[test]
+#[ignore = "reads ../shared/traces (not in the repository); run with --ignored"]
 fn small_tier_rust_api_and_c_abi_agree() {
-    let Some(t) = trace("conversation_trace.jsonl") else {
-        return;
-    };
+    let t = trace("conversation_trace.jsonl");
     let requests = trace_keys(&t[..3000], 32);
     for policy in [Policy::Lru, Policy::Arc] {
         let cfg = ManagerConfig {

@@ -1,12 +1,12 @@
 """Helpers and result types shared by the Python classes of kvoffload (stdlib only)."""
 
-import dataclasses
 import ctypes
 import operator
 import weakref
 from typing import List, NamedTuple
 
 from . import _ffi
+from ._buffers import Keys
 from ._ffi import BufferTooSmallError, Policy
 
 _MAX_U32 = 2**32 - 1
@@ -43,37 +43,57 @@ def _policy(policy):
 
 class Event(NamedTuple):
     """One event of :meth:`Manager.take_events` / :meth:`Scheduler.take_events`: ``removed``
-    True for evicted keys, False for keys that became ready (stored)."""
+    True for evicted keys, False for keys that became ready (stored); ``keys`` as
+    :class:`Keys` (equal to the list of them)."""
 
     removed: bool
-    keys: List[bytes]
+    keys: Keys
 
 
-@dataclasses.dataclass(frozen=True)
-class ManagerStats:
-    """Counters and gauges of a manager (``kvo_manager_stats``)."""
+class _Stats:
+    """Methods shared by the stats structs: a stats object is the C struct the library filled
+    (one read per call), its fields plain ints."""
 
-    capacity: int
-    used: int
-    ready: int
-    evictable: int
-    pinned: int
-    stores_in_flight: int
-    lookups: int
-    hits: int
-    stores_skipped: int
-    evictions: int
-    events_dropped: int
+    __slots__ = ()
+
+    def _names(self):
+        return [f[0] for f in self._fields_ if f[0] != "struct_size"]
 
     def as_dict(self):
-        return dataclasses.asdict(self)
+        """The stats as a dict (nested stats as nested dicts)."""
+        out = {}
+        for name in self._names():
+            v = getattr(self, name)
+            out[name] = v.as_dict() if isinstance(v, _Stats) else v
+        return out
+
+    def __eq__(self, other):
+        if type(other) is not type(self):
+            return NotImplemented
+        return self.as_dict() == other.as_dict()
+
+    __hash__ = None
+
+    def __repr__(self):
+        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._names())
+        return f"{type(self).__name__}({fields})"
 
     @classmethod
-    def _from_c(cls, s):
-        return cls(**{f: getattr(s, f) for f in _STATS_FIELDS})
+    def _empty(cls):
+        """A zeroed struct with ``struct_size`` set, ready for the library to fill."""
+        return cls.from_buffer_copy(cls._template)
 
 
-_STATS_FIELDS = [f.name for f in dataclasses.fields(ManagerStats)]
+class ManagerStats(_Stats, _ffi.kvo_manager_stats):
+    """Counters and gauges of a manager (``kvo_manager_stats``): capacity, used, ready,
+    evictable, pinned, stores_in_flight, lookups, hits, stores_skipped, evictions."""
+
+    def __init__(self, *values, **kw):
+        super().__init__(ctypes.sizeof(_ffi.kvo_manager_stats), *values, **kw)
+
+
+ManagerStats._template = bytes(ManagerStats())
+_STATS_FIELDS = ManagerStats()._names()
 
 
 class _Handle:
@@ -84,14 +104,19 @@ class _Handle:
     _ptr = None
     _finalizer = None
 
+    #: The handle's address (an int) for the hot paths, None once closed.
+    _h = None
+
     def _own(self, ptr, free, *keep):
         """Takes ownership of ``ptr``, freed with ``free(ptr, *keep)``."""
         self._ptr = ptr
+        self._h = ctypes.cast(ptr, ctypes.c_void_p).value
         self._finalizer = weakref.finalize(self, free, ptr, *keep)
 
     def close(self):
         """Frees the handle. Safe to call more than once."""
         self._ptr = None
+        self._h = None
         if self._finalizer is not None:
             self._finalizer()
 
@@ -106,6 +131,16 @@ class _Handle:
     def __exit__(self, *exc):
         self.close()
         return False
+
+    def _closed_error(self):
+        return ValueError(f"kvoffload: operation on a closed {type(self).__name__}")
+
+    def _handle_address(self):
+        """The handle's address (an int); ValueError once closed."""
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        return h
 
     def _handle(self):
         ptr = self._ptr
@@ -132,9 +167,8 @@ def _take_events(take, handle, key_len) -> List[Event]:
             continue
         break
     raw = bytes(keys)
-    out = []
-    for e in events[: n_events.value]:
-        first = e.first_key
-        ks = [raw[(first + i) * key_len : (first + i + 1) * key_len] for i in range(e.n_keys)]
-        out.append(Event(bool(e.removed), ks))
-    return out
+    return [
+        Event(e.removed != 0, Keys(raw[e.first_key * key_len : (e.first_key + e.n_keys) * key_len],
+                                   key_len))
+        for e in events[: n_events.value]
+    ]

@@ -11,6 +11,7 @@ checks that it stays so. The friendly API is in the package: ``Manager`` in ``__
 """
 
 import ctypes
+import ctypes.util
 import enum
 import os
 import sys
@@ -47,6 +48,7 @@ __all__ = [
     "KvoMemoryError",
     "lib",
     "lib_path",
+    "library_path",
     "last_error_message",
 ]
 
@@ -581,6 +583,12 @@ FUNCTIONS = {
         [_SchedP, POINTER(kvo_scheduled_request), c_size_t, _u64p, c_size_t, _StepP],
         True,
     ),
+    "kvo_scheduler_build_step_arrays": (
+        kvo_status,
+        [_SchedP, c_size_t, _u64p, _u64p, _u64p, _u64p, _u64p, _u32p, c_size_t, c_char_p, _u64p,
+         c_size_t, _StepP],
+        True,
+    ),
     "kvo_scheduler_complete_jobs": (
         kvo_status,
         [_SchedP, POINTER(kvo_job_report), c_size_t],
@@ -609,6 +617,11 @@ FUNCTIONS = {
     "kvo_step_get_job_blocks": (
         kvo_status,
         [_StepP, c_size_t, _u32p, c_size_t, _u32p, c_size_t],
+        True,
+    ),
+    "kvo_step_get_jobs": (
+        kvo_status,
+        [_StepP, POINTER(kvo_job_info), c_size_t, _u32p, c_size_t, _sizep, _sizep],
         True,
     ),
     "kvo_step_get_flush": (kvo_status, [_StepP, _u64p, c_size_t, _sizep], True),
@@ -677,49 +690,81 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _REPO_DIR = os.path.dirname(os.path.dirname(_PKG_DIR))
 
 
-def _candidates():
-    """Where to look for the library, in order, when ``KVOFFLOAD_LIB`` is not set."""
+def _dev_builds():
+    """The libraries of a development build of this checkout (``python/kvoffload`` inside the
+    repository): ``$CARGO_TARGET_DIR`` or ``<repo>/target``, release before debug."""
+    if not os.path.isfile(os.path.join(_REPO_DIR, "Cargo.toml")):
+        return []
     target_dirs = []
     if os.environ.get("CARGO_TARGET_DIR"):
         target_dirs.append(os.environ["CARGO_TARGET_DIR"])
     target_dirs.append(os.path.join(_REPO_DIR, "target"))
-    out = []
-    for t in target_dirs:
-        for profile in ("release", "debug"):
-            out.append(os.path.join(t, profile, _LIB_NAME))
-        for profile in ("release", "debug"):
-            out.append(os.path.join(t, profile, "deps", _LIB_NAME))
-    out.append(os.path.join(_PKG_DIR, _LIB_NAME))
-    out.append(os.path.join(os.path.dirname(_PKG_DIR), _LIB_NAME))
-    return out
+    return [
+        os.path.join(t, profile, *sub, _LIB_NAME)
+        for t in target_dirs
+        for sub in ((), ("deps",))
+        for profile in ("release", "debug")
+    ]
 
 
-def _find_library():
+def _path_of(handle, fallback):
+    """The file a loaded library came from (``dladdr`` of one of its symbols), else
+    ``fallback``."""
+
+    class _DlInfo(ctypes.Structure):
+        _fields_ = [("fname", c_char_p), ("fbase", ctypes.c_void_p),
+                    ("sname", c_char_p), ("saddr", ctypes.c_void_p)]
+
+    try:
+        dladdr = ctypes.CDLL(None).dladdr
+    except (OSError, AttributeError):
+        return fallback
+    dladdr.argtypes = [ctypes.c_void_p, POINTER(_DlInfo)]
+    dladdr.restype = ctypes.c_int
+    info = _DlInfo()
+    symbol = ctypes.cast(handle.kvo_abi_version, ctypes.c_void_p)
+    if dladdr(symbol, ctypes.byref(info)) and info.fname:
+        return os.path.abspath(os.fsdecode(info.fname))
+    return fallback
+
+
+def _load():
+    """Loads the library, looking in order: ``KVOFFLOAD_LIB``; the library bundled in this
+    package (a wheel); the system's search (``LD_LIBRARY_PATH``, the loader cache, then
+    ``ctypes.util.find_library``); a development build of this checkout."""
     env = os.environ.get("KVOFFLOAD_LIB")
     if env:
         if not os.path.isfile(env):
             raise ImportError(f"kvoffload: KVOFFLOAD_LIB={env!r} is not a file")
-        return env
-    tried = _candidates()
-    for path in tried:
-        if os.path.isfile(path):
-            return path
+        candidates = [(env, True)]
+    else:
+        bundled = os.path.join(_PKG_DIR, _LIB_NAME)
+        candidates = [(bundled, True)] if os.path.isfile(bundled) else []
+        candidates.append((_LIB_NAME, False))
+        found = ctypes.util.find_library("kvoffload")
+        if found and found != _LIB_NAME:
+            candidates.append((found, False))
+        candidates += [(p, True) for p in _dev_builds() if os.path.isfile(p)]
+    errors = []
+    for name, is_path in candidates:
+        try:
+            handle = ctypes.CDLL(name)
+        except OSError as e:
+            if is_path:  # a file that exists but does not load: say so, do not fall back
+                raise ImportError(f"kvoffload: cannot load {name}: {e}") from e
+            errors.append(f"{name}: {e}")
+            continue
+        return (_path_of(handle, name) if not is_path else os.path.abspath(name)), handle
     raise ImportError(
-        f"kvoffload: {_LIB_NAME} not found; build it with `cargo build --release` or set "
-        "KVOFFLOAD_LIB. Tried:\n  " + "\n  ".join(tried)
+        f"kvoffload: {_LIB_NAME} not found: not bundled in {_PKG_DIR}, not on the system's "
+        "library search path, no development build; `pip install` the package, build it with "
+        "`cargo build --release`, or set KVOFFLOAD_LIB. Tried:\n  " + "\n  ".join(errors)
     )
 
 
-def _load():
-    path = _find_library()
-    try:
-        handle = ctypes.CDLL(path)
-    except OSError as e:
-        raise ImportError(f"kvoffload: cannot load {path}: {e}") from e
-    return path, handle
-
-
 lib_path, lib = _load()
+#: The library file loaded (also ``kvoffload.library_path``).
+library_path = lib_path
 
 
 def last_error_message():
@@ -761,6 +806,31 @@ if _found_abi != ABI_VERSION:
         f"kvoffload: {lib_path} has C ABI version {_found_abi}, these bindings need {ABI_VERSION}"
     )
 _declare()
+
+
+def failure(status):
+    """The exception for a failed call's ``status``, with the calling thread's last-error
+    message (call right after the failed call, on the same thread)."""
+    return error_for(status, last_error_message())
+
+
+def _fast_argtype(t):
+    is_pointer = t is c_char_p or (isinstance(t, type) and issubclass(t, ctypes._Pointer))
+    return ctypes.c_void_p if is_pointer else t
+
+
+#: Every status-returning function bound a second time for the hot paths: the same symbol with
+#: every pointer argument as ``c_void_p`` (so addresses, ``bytes`` and ``None`` pass without
+#: conversion objects) and no ``errcheck``: the caller tests the returned status itself
+#: (``if st: raise failure(st)``).
+fast = {}
+for _name, (_restype, _argtypes, _checked) in FUNCTIONS.items():
+    if _checked:
+        _f = lib[_name]
+        _f.restype = _restype
+        _f.argtypes = [_fast_argtype(t) for t in _argtypes]
+        fast[_name] = _f
+del _name, _restype, _argtypes, _checked, _f
 
 
 def version():

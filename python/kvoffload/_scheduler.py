@@ -14,17 +14,23 @@
         s.complete_jobs([(job_id, 1, True)])
 
 Every request id, token count, job id and block id is a non-negative ``int`` (TypeError for
-another type, ValueError out of range, naming the argument); block hashes are ``bytes`` of
-exactly ``key_len`` bytes. Library failures raise the :class:`KvoError` subclass of their
-status with the library's message.
+another type, ValueError out of range, naming the argument); lists of block ids may also be
+``uint32`` buffers (``array('I')``, numpy), and a batch of hundreds of scheduled requests goes
+in as arrays (:meth:`Scheduler.build_step_arrays`). Block hashes are one bytes-like object of
+``n * key_len`` bytes or a list of ``key_len``-byte hashes. Library failures raise the
+:class:`KvoError` subclass of their status with the library's message.
 """
 
 import ctypes
 import dataclasses
-from typing import List, NamedTuple, Optional, Sequence
+import operator
+from array import array
+from itertools import chain
+from typing import Any, List, NamedTuple, Optional, Sequence, Union
 
 from . import _ffi, _metrics
-from ._common import _take_events, _MAX_U32, _MAX_U64, Event, ManagerStats, _Handle, _policy, _uint
+from ._buffers import IdsLike, KeysLike, keys_arg, u32_arg, u64_arg
+from ._common import _take_events, _MAX_U32, _MAX_U64, Event, ManagerStats, _Handle, _Stats, _policy, _uint
 from ._ffi import (
     KVO_NO_LIMIT,
     BufferTooSmallError,
@@ -132,32 +138,25 @@ class Job(NamedTuple):
     dst: List[int]
 
 
-@dataclasses.dataclass(frozen=True)
-class SchedulerStats:
-    """Counters and gauges of a scheduler (``kvo_scheduler_stats``); ``manager`` is its tier's."""
+class SchedulerStats(_Stats, ctypes.Structure):
+    """Counters and gauges of a scheduler (``kvo_scheduler_stats``), as the struct the library
+    filled: requests, matches, deferred_jobs_in_flight, deferred_store_in_flight,
+    deferred_being_loaded, hits, hit_tokens, load_jobs, store_jobs, stored_chunks,
+    store_no_room, failed_jobs, loads_in_flight, stores_in_flight, and ``manager``: its tier's
+    :class:`ManagerStats`. ``as_dict()`` on demand."""
 
-    requests: int
-    matches: int
-    deferred_jobs_in_flight: int
-    deferred_store_in_flight: int
-    deferred_being_loaded: int
-    hits: int
-    hit_tokens: int
-    load_jobs: int
-    store_jobs: int
-    stored_chunks: int
-    store_no_room: int
-    failed_jobs: int
-    loads_in_flight: int
-    stores_in_flight: int
-    manager: ManagerStats
-
-    def as_dict(self):
-        """The stats as a dict (``manager`` as a nested dict)."""
-        return dataclasses.asdict(self)
+    _fields_ = [
+        (name, ManagerStats if name == "manager" else t)
+        for name, t in _ffi.kvo_scheduler_stats._fields_
+    ]
 
 
-_SCHED_STATS_FIELDS = [f.name for f in dataclasses.fields(SchedulerStats) if f.name != "manager"]
+_tmpl = SchedulerStats()
+_tmpl.struct_size = ctypes.sizeof(SchedulerStats)
+_tmpl.manager.struct_size = ctypes.sizeof(ManagerStats)
+SchedulerStats._template = bytes(_tmpl)
+del _tmpl
+assert ctypes.sizeof(SchedulerStats) == ctypes.sizeof(_ffi.kvo_scheduler_stats)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,17 +174,38 @@ def _seq(name, value):
         raise TypeError(f"{name}: expected a sequence, got {type(value).__name__}") from None
 
 
-def _u32_array(name, values):
-    """A ctypes ``uint32_t[]`` of the checked ``values`` (None when empty) and its length."""
-    values = [_uint(f"{name}[{i}]", v, _MAX_U32) for i, v in enumerate(_seq(name, values))]
-    n = len(values)
-    return ((ctypes.c_uint32 * n)(*values) if n else None), n
-
-
 def _flag(name, value):
     if not isinstance(value, (bool, int)):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
     return 1 if value else 0
+
+
+_fast = _ffi.fast
+_failure = _ffi.failure
+_addressof = ctypes.addressof
+_step_get_jobs = _fast["kvo_step_get_jobs"]
+_step_get_flush = _fast["kvo_step_get_flush"]
+_step_decode = _fast["kvo_step_decode"]
+_append_block_hashes = _fast["kvo_scheduler_append_block_hashes"]
+_match = _fast["kvo_scheduler_match"]
+_on_alloc = _fast["kvo_scheduler_on_alloc"]
+_build_step_arrays = _fast["kvo_scheduler_build_step_arrays"]
+_complete_jobs = _fast["kvo_scheduler_complete_jobs"]
+_finish_request = _fast["kvo_scheduler_finish_request"]
+_get_stats = _fast["kvo_scheduler_get_stats"]
+_Out = ctypes.c_uint64 * 2
+_MATCHES = tuple(Match)
+_DEFER_REASONS = tuple(DeferReason)
+_JOB_KINDS = tuple(JobKind)
+_new_match_result = tuple.__new__
+_BUFFER_TOO_SMALL = int(_ffi.Status.BUFFER_TOO_SMALL)
+
+
+def _u64(name, value):
+    """``value`` if it is an int in range (the fast path), else :func:`_uint`'s answer."""
+    if type(value) is int and 0 <= value <= _MAX_U64:
+        return value
+    return _uint(name, value, _MAX_U64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,40 +242,56 @@ class Step(_Handle):
 
     @property
     def jobs(self) -> List[Job]:
-        """The plan's jobs (loads first, then stores) with their block ids."""
-        h = self._handle()
-        info = _ffi.kvo_step_info()
-        lib.kvo_step_get_info(h, ctypes.byref(info))
-        out = []
-        j = _ffi.kvo_job_info()
-        for i in range(info.num_jobs):
-            lib.kvo_step_get_job(h, i, ctypes.byref(j))
-            src = (ctypes.c_uint32 * j.n_src)()
-            dst = (ctypes.c_uint32 * j.n_dst)()
-            lib.kvo_step_get_job_blocks(h, i, src, j.n_src, dst, j.n_dst)
-            try:
-                kind = JobKind(j.kind)
-            except ValueError:
-                kind = j.kind
-            out.append(
-                Job(j.id, j.request_id, kind, j.group_size, j.block_index, list(src), list(dst))
+        """The plan's jobs (loads first, then stores) with their block ids, read in one library
+        call."""
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        counts = _Out()
+        ca = _addressof(counts)
+        n_jobs = n_blocks = 0
+        while True:
+            infos = (_ffi.kvo_job_info * n_jobs)()
+            blocks = array("I", bytes(4 * n_blocks))
+            st = _step_get_jobs(
+                h, _addressof(infos), n_jobs, blocks.buffer_info()[0], n_blocks, ca, ca + 8
             )
+            if st == _BUFFER_TOO_SMALL:  # the needed numbers were written
+                n_jobs, n_blocks = counts[0], counts[1]
+                continue
+            if st:
+                raise _failure(st)
+            break
+        out = []
+        at = 0
+        kinds = _JOB_KINDS
+        for j in infos[: counts[0]]:
+            ns, nd = j.n_src, j.n_dst
+            kind = kinds[j.kind] if j.kind < len(kinds) else j.kind
+            out.append(
+                Job(j.id, j.request_id, kind, j.group_size, j.block_index,
+                    blocks[at : at + ns].tolist(), blocks[at + ns : at + ns + nd].tolist())
+            )
+            at += ns + nd
         return out
 
     @property
     def flush(self) -> List[int]:
         """Job ids to wait for before the forward pass (ascending)."""
-        h = self._handle()
-        n = ctypes.c_size_t()
-        cap = 0
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        n = _Out()
+        cap = 16
         while True:
-            ids = (ctypes.c_uint64 * cap)() if cap else None
-            try:
-                lib.kvo_step_get_flush(h, ids, cap, ctypes.byref(n))
-            except BufferTooSmallError:
-                cap = n.value  # the needed size was written
+            ids = array("Q", bytes(8 * cap))
+            st = _step_get_flush(h, ids.buffer_info()[0], cap, _addressof(n))
+            if st == _BUFFER_TOO_SMALL:  # the needed size was written
+                cap = n[0]
                 continue
-            return list(ids[: n.value]) if ids is not None else []
+            if st:
+                raise _failure(st)
+            return ids[: n[0]].tolist()
 
     # -- encoding -------------------------------------------------------------------------------
 
@@ -274,26 +310,26 @@ class Step(_Handle):
             return bytes(buf[: n.value]) if buf is not None else b""
 
     @classmethod
-    def decode(cls, data, into: Optional["Step"] = None) -> "Step":
+    def decode(cls, data: KeysLike, into: Optional["Step"] = None) -> "Step":
         """A plan decoded from bytes made by :meth:`encode`. With ``into``, that plan is replaced
         (and returned) instead of a new one being made; on failure it is left unchanged.
 
-        Raises :class:`CorruptDataError` for truncated or corrupt bytes or another format
-        version; TypeError unless ``data`` is bytes-like.
+        ``data``: any bytes-like object (passed without copying). Raises
+        :class:`CorruptDataError` for truncated or corrupt bytes or another format version;
+        TypeError unless ``data`` is bytes-like.
         """
-        if isinstance(data, (bytearray, memoryview)):
-            data = bytes(data)
-        if not isinstance(data, bytes):
+        if isinstance(data, (list, tuple)):
             raise TypeError(f"data: expected bytes, got {type(data).__name__}")
+        arg, n, keep = keys_arg(data, 1, "data")
         if into is not None and not isinstance(into, Step):
             raise TypeError(f"into: expected a Step, got {type(into).__name__}")
         step = cls() if into is None else into
-        try:
-            lib.kvo_step_decode(step._handle(), data, len(data))
-        except BaseException:
+        st = _step_decode(step._handle_address(), arg, n)
+        if st:
+            err = _failure(st)
             if into is None:
                 step.close()
-            raise
+            raise err
         return step
 
 
@@ -313,28 +349,36 @@ class Scheduler(_Handle):
     def __init__(
         self,
         num_slots,
-        key_len=32,
-        gpu_block_size=16,
-        block_size_factor=1,
+        key_len=None,
+        gpu_block_size=None,
+        block_size_factor=None,
         policy="lru",
-        num_workers=1,
-        offload_prompt_only=True,
-        store_threshold=0,
-        max_tracker_size=64000,
+        num_workers=None,
+        offload_prompt_only=None,
+        store_threshold=None,
+        max_tracker_size=None,
         enable_events=False,
     ):
+        # None keeps the library's default (``kvo_scheduler_config_default``).
         cfg = _ffi.kvo_scheduler_config()
         lib.kvo_scheduler_config_default(ctypes.byref(cfg))
         cfg.num_slots = _uint("num_slots", num_slots, _MAX_U64)
-        cfg.key_len = _uint("key_len", key_len, _MAX_U32)
-        cfg.gpu_block_size = _uint("gpu_block_size", gpu_block_size, _MAX_U32)
-        cfg.block_size_factor = _uint("block_size_factor", block_size_factor, _MAX_U32)
+        if key_len is not None:
+            cfg.key_len = _uint("key_len", key_len, _MAX_U32)
+        if gpu_block_size is not None:
+            cfg.gpu_block_size = _uint("gpu_block_size", gpu_block_size, _MAX_U32)
+        if block_size_factor is not None:
+            cfg.block_size_factor = _uint("block_size_factor", block_size_factor, _MAX_U32)
         # Unknown policy numbers go through: the library refuses them.
         cfg.policy = _policy(policy)
-        cfg.num_workers = _uint("num_workers", num_workers, _MAX_U32)
-        cfg.offload_prompt_only = _flag("offload_prompt_only", offload_prompt_only)
-        cfg.store_threshold = _uint("store_threshold", store_threshold, _MAX_U32)
-        cfg.max_tracker_size = _uint("max_tracker_size", max_tracker_size, _MAX_U64)
+        if num_workers is not None:
+            cfg.num_workers = _uint("num_workers", num_workers, _MAX_U32)
+        if offload_prompt_only is not None:
+            cfg.offload_prompt_only = _flag("offload_prompt_only", offload_prompt_only)
+        if store_threshold is not None:
+            cfg.store_threshold = _uint("store_threshold", store_threshold, _MAX_U32)
+        if max_tracker_size is not None:
+            cfg.max_tracker_size = _uint("max_tracker_size", max_tracker_size, _MAX_U64)
         cfg.enable_events = _flag("enable_events", enable_events)
         ptr = ctypes.POINTER(_ffi._Scheduler)()
         lib.kvo_scheduler_new(ctypes.byref(cfg), ctypes.byref(ptr))
@@ -358,7 +402,9 @@ class Scheduler(_Handle):
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id, prompt_tokens, max_offload_tokens=None):
+    def add_request(
+        self, request_id: int, prompt_tokens: int, max_offload_tokens: Optional[int] = None
+    ) -> None:
         """Starts tracking a request of ``prompt_tokens`` tokens; ``max_offload_tokens`` caps
         the tokens offloaded for it (None: no cap; 0: nothing is offloaded).
 
@@ -374,7 +420,7 @@ class Scheduler(_Handle):
         )
         lib.kvo_scheduler_add_request(h, rid, n, cap)
 
-    def append_block_hashes(self, request_id, hashes, num_tokens):
+    def append_block_hashes(self, request_id: int, hashes: KeysLike, num_tokens: int) -> None:
         """Appends block hashes (one ``key_len``-byte hash per newly full GPU block) and sets the
         request's token count to ``num_tokens``.
 
@@ -382,19 +428,16 @@ class Scheduler(_Handle):
         finished one, :class:`InvalidArgumentError` if the hashes exceed the full blocks of
         ``num_tokens``.
         """
-        h = self._handle()
-        rid = _uint("request_id", request_id, _MAX_U64)
-        hashes = _seq("hashes", hashes)
-        kl = self.key_len
-        for i, x in enumerate(hashes):
-            if not isinstance(x, (bytes, bytearray)):
-                raise TypeError(f"hashes[{i}]: expected bytes, got {type(x).__name__}")
-            if len(x) != kl:
-                raise ValueError(f"hashes[{i}]: {len(x)} bytes, key_len is {kl}")
-        n = _uint("num_tokens", num_tokens, _MAX_U64)
-        lib.kvo_scheduler_append_block_hashes(h, rid, b"".join(hashes), len(hashes), n)
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        rid = _u64("request_id", request_id)
+        arg, n, keep = keys_arg(hashes, self.key_len, "hashes")
+        st = _append_block_hashes(h, rid, arg, n, _u64("num_tokens", num_tokens))
+        if st:
+            raise _failure(st)
 
-    def match(self, request_id, num_computed_tokens) -> MatchResult:
+    def match(self, request_id: int, num_computed_tokens: int) -> MatchResult:
         """Matches a waiting request against the tier; ``num_computed_tokens`` are its GPU
         prefix-cache hit tokens. While the request has jobs in flight the answer is DEFER
         (``DeferReason.JOBS_IN_FLIGHT``) and nothing is looked up.
@@ -402,14 +445,25 @@ class Scheduler(_Handle):
         Raises :class:`NotFoundError` for an unknown request, :class:`InvalidStateError` for a
         finished one or one whose hashes do not cover its tokens.
         """
-        h = self._handle()
-        rid = _uint("request_id", request_id, _MAX_U64)
-        n = _uint("num_computed_tokens", num_computed_tokens, _MAX_U64)
+        h = self._h
+        if h is None:
+            raise self._closed_error()
         out = _ffi.kvo_match_result()
-        lib.kvo_scheduler_match(h, rid, n, ctypes.byref(out))
-        return MatchResult(Match(out.kind), out.tokens, DeferReason(out.defer_reason))
+        st = _match(
+            h,
+            _u64("request_id", request_id),
+            _u64("num_computed_tokens", num_computed_tokens),
+            _addressof(out),
+        )
+        if st:
+            raise _failure(st)
+        return _new_match_result(
+            MatchResult, (_MATCHES[out.kind], out.tokens, _DEFER_REASONS[out.defer_reason])
+        )
 
-    def on_alloc(self, request_id, block_ids, num_external_tokens) -> Optional[int]:
+    def on_alloc(
+        self, request_id: int, block_ids: IdsLike, num_external_tokens: int
+    ) -> Optional[int]:
         """Records the GPU blocks allocated to a matched request (all of its blocks) and, with
         ``num_external_tokens > 0`` (the hit), makes its load job for the next step. Returns the
         load job's id, or None without a load.
@@ -419,73 +473,130 @@ class Scheduler(_Handle):
         tokens exceed its offloaded chunks, :class:`NotFoundError` for an unknown request or a
         key no longer stored. On failure nothing changes.
         """
-        h = self._handle()
-        rid = _uint("request_id", request_id, _MAX_U64)
-        ids, n = _u32_array("block_ids", block_ids)
-        ext = _uint("num_external_tokens", num_external_tokens, _MAX_U64)
-        has_job = ctypes.c_uint32()
-        job_id = ctypes.c_uint64()
-        lib.kvo_scheduler_on_alloc(
-            h, rid, ids, n, ext, ctypes.byref(has_job), ctypes.byref(job_id)
-        )
-        return job_id.value if has_job.value else None
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        rid = _u64("request_id", request_id)
+        ids, n, keep = u32_arg(block_ids, "block_ids")
+        ext = _u64("num_external_tokens", num_external_tokens)
+        out = _Out()
+        a = _addressof(out)
+        st = _on_alloc(h, rid, ids, n, ext, a, a + 8)
+        if st:
+            raise _failure(st)
+        return out[1] if out[0] else None
 
-    def build_step(self, scheduled=(), preempted=(), step: Optional[Step] = None) -> Step:
+    def build_step(
+        self,
+        scheduled: Sequence[Union[ScheduledRequest, tuple]] = (),
+        preempted: IdsLike = (),
+        step: Optional[Step] = None,
+    ) -> Step:
         """Builds this step's plan: the load jobs made since the last step, the store jobs of the
-        ``scheduled`` requests' newly complete chunks (a list of :class:`ScheduledRequest`), and
-        the flush set (jobs of the ``preempted`` request ids, fenced stores, jobs of a reset).
-        Writes into ``step`` when given (reusing it), else into a new :class:`Step`; returns it.
+        ``scheduled`` requests' newly complete chunks (a list of :class:`ScheduledRequest` or of
+        tuples of its fields), and the flush set (jobs of the ``preempted`` request ids, fenced
+        stores, jobs of a reset). Writes into ``step`` when given (reusing it), else into a new
+        :class:`Step`; returns it. With hundreds of requests, :meth:`build_step_arrays` takes
+        the batch as arrays.
 
         Raises :class:`NotFoundError`, :class:`InvalidStateError` or
         :class:`InvalidArgumentError` (a request scheduled twice, block ids that do not cover
         its tokens); then nothing changes and ``step`` is not written.
         """
-        h = self._handle()
-        if step is not None and not isinstance(step, Step):
-            raise TypeError(f"step: expected a Step, got {type(step).__name__}")
         reqs = _seq("scheduled", scheduled)
-        n = len(reqs)
-        arr = (_ffi.kvo_scheduled_request * n)() if n else None
-        keep = []  # the block id arrays, alive until the call returns
         for i, r in enumerate(reqs):
-            if not isinstance(r, ScheduledRequest):
-                if isinstance(r, tuple):
-                    r = ScheduledRequest(*r)
-                else:
+            if type(r) is not ScheduledRequest:
+                if isinstance(r, ScheduledRequest):
+                    continue
+                if not isinstance(r, tuple):
                     raise TypeError(
                         f"scheduled[{i}]: expected a ScheduledRequest, got {type(r).__name__}"
                     )
-            c = arr[i]
-            c.request_id = _uint(f"scheduled[{i}].request_id", r.request_id, _MAX_U64)
-            c.num_computed_tokens = _uint(
-                f"scheduled[{i}].num_computed_tokens", r.num_computed_tokens, _MAX_U64
-            )
-            c.num_scheduled_tokens = _uint(
-                f"scheduled[{i}].num_scheduled_tokens", r.num_scheduled_tokens, _MAX_U64
-            )
-            c.num_tokens = _uint(f"scheduled[{i}].num_tokens", r.num_tokens, _MAX_U64)
-            ids, nids = _u32_array(f"scheduled[{i}].new_block_ids", r.new_block_ids)
-            keep.append(ids)
-            if ids is not None:
-                c.new_block_ids = ctypes.cast(ids, ctypes.POINTER(ctypes.c_uint32))
-            c.n_new_block_ids = nids
-            c.resumed = _flag(f"scheduled[{i}].resumed", r.resumed)
-        pre = [
-            _uint(f"preempted[{i}]", p, _MAX_U64)
-            for i, p in enumerate(_seq("preempted", preempted))
-        ]
-        pre_arr = (ctypes.c_uint64 * len(pre))(*pre) if pre else None
-        out = Step() if step is None else step
+                reqs[i] = ScheduledRequest(*r)
+        cols = {}
+        for field in ("request_id", "num_computed_tokens", "num_scheduled_tokens", "num_tokens"):
+            get = operator.attrgetter(field)
+            try:
+                cols[field] = array("Q", map(get, reqs))
+            except (TypeError, OverflowError):
+                for i, r in enumerate(reqs):
+                    _uint(f"scheduled[{i}].{field}", get(r), _MAX_U64)
+                raise
+        ids = [r.new_block_ids for r in reqs]
         try:
-            lib.kvo_scheduler_build_step(h, arr, n, pre_arr, len(pre), out._handle())
-        except BaseException:
+            counts = array("Q", map(len, ids))
+            blocks = array("I", chain.from_iterable(ids))
+        except (TypeError, OverflowError):
+            for i, b in enumerate(ids):
+                u32_arg(b, f"scheduled[{i}].new_block_ids")
+            raise
+        resumed = [r.resumed for r in reqs]
+        for i, x in enumerate(resumed):
+            if type(x) is not bool:
+                _flag(f"scheduled[{i}].resumed", x)
+        return self.build_step_arrays(
+            cols["request_id"], cols["num_computed_tokens"], cols["num_scheduled_tokens"],
+            cols["num_tokens"], counts, blocks, bytes(map(bool, resumed)) if any(resumed) else None,
+            preempted, step,
+        )
+
+    def build_step_arrays(
+        self,
+        request_ids: IdsLike,
+        num_computed_tokens: IdsLike,
+        num_scheduled_tokens: IdsLike,
+        num_tokens: IdsLike,
+        n_new_block_ids: IdsLike,
+        new_block_ids: IdsLike = (),
+        resumed: Optional[KeysLike] = None,
+        preempted: IdsLike = (),
+        step: Optional[Step] = None,
+    ) -> Step:
+        """:meth:`build_step` with the scheduled batch as arrays (one library call, no Python
+        work per request): request ``i`` is ``request_ids[i]`` with its token counts, the next
+        ``n_new_block_ids[i]`` ids of ``new_block_ids`` (all requests' new block ids back to
+        back) and ``resumed[i]``. The id and count arguments are ``uint64`` buffers
+        (``array('Q')``, numpy ``uint64``) or lists, ``new_block_ids`` a ``uint32`` buffer or
+        list, ``resumed`` None (none resumed) or a bytes-like of 0/1 per request, ``preempted``
+        request ids. Raises as :meth:`build_step` (ValueError when the arrays' lengths differ).
+        """
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        if step is not None and not isinstance(step, Step):
+            raise TypeError(f"step: expected a Step, got {type(step).__name__}")
+        rid, n, k0 = u64_arg(request_ids, "request_ids")
+        computed, n1, k1 = u64_arg(num_computed_tokens, "num_computed_tokens")
+        sched, n2, k2 = u64_arg(num_scheduled_tokens, "num_scheduled_tokens")
+        tokens, n3, k3 = u64_arg(num_tokens, "num_tokens")
+        counts, n4, k4 = u64_arg(n_new_block_ids, "n_new_block_ids")
+        blocks, nb, k5 = u32_arg(new_block_ids, "new_block_ids")
+        for name, m in (("num_computed_tokens", n1), ("num_scheduled_tokens", n2),
+                        ("num_tokens", n3), ("n_new_block_ids", n4)):
+            if m != n:
+                raise ValueError(f"{name}: {m} entries for {n} request_ids")
+        if resumed is None:
+            res, k6 = None, None
+        else:
+            res, nr, k6 = keys_arg(resumed, 1, "resumed")
+            if nr != n:
+                raise ValueError(f"resumed: {nr} entries for {n} request_ids")
+        pre, npre, k7 = u64_arg(preempted, "preempted")
+        out = Step() if step is None else step
+        oh = out._h
+        if oh is None:
+            raise out._closed_error()
+        st = _build_step_arrays(
+            h, n, rid, computed, sched, tokens, counts, blocks, nb, res, pre, npre, oh
+        )
+        if st:
+            err = _failure(st)
             if step is None:
                 out.close()
-            raise
-        del keep
+            raise err
         return out
 
-    def complete_jobs(self, reports):
+    def complete_jobs(self, reports: Any) -> None:
         """Counts worker reports: each a :class:`JobReport`, a ``(job_id, count, success)``
         tuple, or a bare job id (one successful report). A job completes once ``num_workers``
         reports arrived (failed if any failed).
@@ -493,7 +604,16 @@ class Scheduler(_Handle):
         Raises :class:`NotFoundError` for a job not in flight, :class:`InvalidArgumentError` for
         a zero count or more reports than workers; then no report is applied.
         """
-        h = self._handle()
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        words = getattr(reports, "_report_words", None)
+        if words is not None:  # a Worker.poll() answer: one successful-or-failed report each
+            arr, n = words()
+            st = _complete_jobs(h, arr.buffer_info()[0] if n else None, n)
+            if st:
+                raise _failure(st)
+            return
         reps = _seq("reports", reports)
         n = len(reps)
         arr = (_ffi.kvo_job_report * n)() if n else None
@@ -511,18 +631,24 @@ class Scheduler(_Handle):
             c.job_id = _uint(f"reports[{i}].job_id", r.job_id, _MAX_U64)
             c.count = _uint(f"reports[{i}].count", r.count, _MAX_U32)
             c.success = _flag(f"reports[{i}].success", r.success)
-        lib.kvo_scheduler_complete_jobs(h, arr, n)
+        st = _complete_jobs(h, _addressof(arr) if n else None, n)
+        if st:
+            raise _failure(st)
 
-    def finish_request(self, request_id):
+    def finish_request(self, request_id: int) -> None:
         """Finishes or aborts a request (its state is kept until its jobs complete).
 
         Raises :class:`NotFoundError` for an unknown request, :class:`InvalidStateError` if it
         was already finished.
         """
-        h = self._handle()
-        lib.kvo_scheduler_finish_request(h, _uint("request_id", request_id, _MAX_U64))
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        st = _finish_request(h, _u64("request_id", request_id))
+        if st:
+            raise _failure(st)
 
-    def load_failure(self, request_id) -> Optional[Recompute]:
+    def load_failure(self, request_id: int) -> Optional[Recompute]:
         """The tokens ``(from_token, to_token)`` the request must recompute because its last
         load failed, or None. Reported until the request's next match."""
         h = self._handle()
@@ -536,7 +662,7 @@ class Scheduler(_Handle):
 
     # -- whole scheduler ------------------------------------------------------------------------
 
-    def reset(self):
+    def reset(self) -> None:
         """Drops the whole tier: in-flight jobs go into the next step's flush set and their
         later reports are ignored. Raises :class:`InvalidStateError` while load jobs made since
         the last step are not in a step yet."""
@@ -547,13 +673,16 @@ class Scheduler(_Handle):
         return _take_events(lib.kvo_scheduler_take_events, self._handle(), self.key_len)
 
     def stats(self) -> SchedulerStats:
-        """Counters and gauges, with the tier's stats as ``manager``."""
-        h = self._handle()
-        s = _ffi.kvo_scheduler_stats()
-        s.struct_size = ctypes.sizeof(s)
-        lib.kvo_scheduler_get_stats(h, ctypes.byref(s))
-        fields = {f: getattr(s, f) for f in _SCHED_STATS_FIELDS}
-        return SchedulerStats(manager=ManagerStats._from_c(s.manager), **fields)
+        """Counters and gauges, with the tier's stats as ``manager``: the struct the library
+        filled (one read; ``as_dict()`` on demand)."""
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        s = SchedulerStats._empty()
+        st = _get_stats(h, _addressof(s))
+        if st:
+            raise _failure(st)
+        return s
 
     def metrics_text(self, prefix, labels=None) -> str:
         """The scheduler's stats, its tier's included, as Prometheus text
@@ -570,7 +699,7 @@ class Scheduler(_Handle):
         collector yields as ``Metric(family, help, type)`` with ``add_sample`` per sample."""
         return _metrics.parse(self.metrics_text(prefix, labels))
 
-    def check_invariants(self):
+    def check_invariants(self) -> None:
         """Recounts the scheduler's and tier's state; raises :class:`InternalError` naming a
         broken invariant."""
         lib.kvo_scheduler_check_invariants(self._handle())

@@ -18,24 +18,53 @@ allocated by the library, or given as ``host_buffers`` (writable Python buffers,
 the worker's lifetime, or ``(address, length)`` pairs the caller keeps valid).
 
 Every job id and block id is a non-negative ``int`` (TypeError for another type, ValueError out
-of range, naming the argument). Library failures raise the :class:`KvoError` subclass of their
-status with the library's message.
+of range, naming the argument); block id lists may also be ``uint32`` buffers (``array('I')``,
+numpy). :meth:`Worker.poll` answers :class:`Completions` (one buffer the library filled).
+Library failures raise the :class:`KvoError` subclass of their status with the library's
+message.
 """
 
 import ctypes
 import dataclasses
 import weakref
-from typing import Any, List, NamedTuple, Optional, Tuple
+from array import array
+from collections.abc import Sequence
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 from . import _ffi, _metrics
 from ._common import _MAX_U32, _MAX_U64, _Handle, _uint
-from ._ffi import Backend, JobKind, NotFoundError, lib
-from ._scheduler import Step, _seq, _u32_array
+from ._ffi import Backend, JobKind, lib
+from ._buffers import IdsLike, u32_arg, u64_arg
+from ._scheduler import Step, _seq, _u64
 
-__all__ = ["KvTensor", "Completion", "Worker", "cuda_available"]
+_fast = _ffi.fast
+_failure = _ffi.failure
+_addressof = ctypes.addressof
+_submit_job = _fast["kvo_worker_submit_job"]
+_submit_step = _fast["kvo_worker_submit_step"]
+_submit_stores = _fast["kvo_worker_submit_stores"]
+_poll = _fast["kvo_worker_poll"]
+_job_error_fn = _fast["kvo_worker_job_error"]
+_wait = _fast["kvo_worker_wait"]
+_swap_blocks = _fast["kvo_worker_swap_blocks"]
+_shutdown = _fast["kvo_worker_shutdown"]
+_NOT_FOUND = int(_ffi.Status.NOT_FOUND)
+_Out = ctypes.c_uint64 * 2
+#: Completions asked of the library per call: no larger array is allocated up front, and the
+#: messages of a call's failed jobs are read right after it (the library keeps the last 1024).
+_POLL_CHUNK = 1024
+_POLL_FIRST = 64
+#: uint32 words per ``kvo_completion`` (job_id 0-1, bytes 2-3, seconds 4-5, success 6).
+_WORDS = ctypes.sizeof(_ffi.kvo_completion) // 4
+assert _WORDS == 8
+_ZERO_WORDS = array("I", bytes(4 * _WORDS * _POLL_CHUNK))
+_new = object.__new__
+
+__all__ = ["KvTensor", "Completion", "Completions", "Worker", "cuda_available"]
 
 _BACKENDS = {"host": Backend.HOST, "cuda": Backend.CUDA}
 _KINDS = {"load": JobKind.LOAD, "store": JobKind.STORE}
+_KIND_CODES = {JobKind.LOAD: 0, JobKind.STORE: 1, "load": 0, "store": 1}
 _MIN_I32, _MAX_I32 = -(2**31), 2**31 - 1
 
 
@@ -61,7 +90,9 @@ class KvTensor:
     keepalive: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_buffer(cls, buf, num_blocks, block_stride, page_size, offset=0) -> "KvTensor":
+    def from_buffer(
+        cls, buf: Any, num_blocks: int, block_stride: int, page_size: int, offset: int = 0
+    ) -> "KvTensor":
         """A host tensor over a writable Python buffer (``bytearray``, ``ctypes`` array,
         ``mmap``, ...) starting ``offset`` bytes in; the buffer is kept alive by the worker.
 
@@ -91,6 +122,82 @@ class Completion(NamedTuple):
     bytes: int
     seconds: float
     error: Optional[str] = None
+
+
+class Completions(Sequence):
+    """The answer of :meth:`Worker.poll`: the ``kvo_completion`` records the library wrote, held
+    in one buffer (no Python object per completion until one is asked for). Indexing gives a
+    :class:`Completion`; ``job_ids`` / ``success`` give all ids / success flags as arrays;
+    ``errors`` maps each failed job's id to its message. Pass it to
+    :meth:`Scheduler.complete_jobs` as it is (one report per completion). Equal to a list of
+    the same :class:`Completion` values."""
+
+    __slots__ = ("_words", "errors")
+
+    def __init__(self, words=None, errors=None):
+        self._words = array("I") if words is None else words
+        #: ``{job_id: message}`` of the failed jobs.
+        self.errors: Dict[int, str] = {} if errors is None else errors
+
+    def __len__(self):
+        return len(self._words) // _WORDS
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("Completions index out of range")
+        c = _ffi.kvo_completion.from_buffer_copy(self._words, 4 * _WORDS * i)
+        ok = c.success != 0
+        return Completion(c.job_id, ok, c.bytes, c.seconds, None if ok else self.errors.get(
+            c.job_id, ""))
+
+    def __eq__(self, other):
+        if isinstance(other, Completions):
+            return self._words == other._words and self.errors == other.errors
+        if isinstance(other, (list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"<kvoffload.Completions {len(self)} jobs, {len(self.errors)} failed>"
+
+    @property
+    def job_ids(self) -> array:
+        """The job ids, in poll order (``array('Q')``)."""
+        w = self._words
+        pairs = array("I", bytes(8 * len(self)))
+        pairs[0::2] = w[0::_WORDS]
+        pairs[1::2] = w[1::_WORDS]
+        return array("Q", pairs.tobytes())
+
+    @property
+    def success(self) -> array:
+        """1 for each job that succeeded, 0 for each that failed (``array('I')``)."""
+        return self._words[6::_WORDS]
+
+    def _report_words(self):
+        """The completions as ``kvo_job_report`` records (``count`` 1) in an ``array('I')``,
+        and their number."""
+        w, n = self._words, len(self)
+        r = array("I", bytes(16 * n))
+        r[0::4] = w[0::_WORDS]
+        r[1::4] = w[1::_WORDS]
+        r[2::4] = array("I", [1]) * n
+        r[3::4] = w[6::_WORDS]
+        return r, n
+
+
+class _Lifetime:
+    """Owns a worker's native handle: the worker is freed when the last reference goes, the
+    :class:`Worker`'s own (dropped by ``close()``) or one held by a view of its host tier."""
+
+    __slots__ = ("__weakref__",)
 
 
 def _writable(buf, name) -> Tuple[Any, int, int]:
@@ -189,7 +296,6 @@ class Worker(_Handle):
         device=0,
         host_buffers=None,
     ):
-        self._views = []
         tensors = _seq("tensors", tensors)
         cfg = _ffi.kvo_worker_config()
         lib.kvo_worker_config_default(ctypes.byref(cfg))
@@ -238,25 +344,26 @@ class Worker(_Handle):
 
         ptr = ctypes.POINTER(_ffi._Worker)()
         lib.kvo_worker_new(ctypes.byref(cfg), arr, n, hb, ctypes.byref(ptr))
-        self._own(ptr, _free, keep)
+        self._ptr = ptr
+        self._h = ctypes.cast(ptr, ctypes.c_void_p).value
+        self._life = _Lifetime()
+        self._finalizer = weakref.finalize(self._life, _free, ptr, keep)
         self.num_tensors = n
         self.num_host_slots = cfg.num_host_slots
         self.block_size_factor = cfg.block_size_factor
         self.backend = Backend(cfg.backend)
         self.device = cfg.device
 
-    def close(self):
-        """Finishes the jobs in flight, frees the worker and its host tier. Memoryviews from
-        :meth:`host_buffer` are released. Safe to call more than once."""
-        for ref in self._views:
-            view = ref()
-            if view is not None:
-                try:
-                    view.release()
-                except BufferError:  # exported further by the caller: its problem now
-                    pass
-        self._views = []
-        super().close()
+    def close(self) -> None:
+        """Finishes the jobs in flight and frees the worker and its host tier, at once or, while
+        views from :meth:`host_buffer` (or slices of them) are still referenced, when the last
+        of them goes: no view can outlive the memory it shows. Safe to call more than once."""
+        h = self._h
+        self._ptr = None
+        self._h = None
+        self._life = None  # the last reference unless a host-tier view holds one
+        if h is not None and self._finalizer.alive:
+            _shutdown(h)  # finish the jobs now, take no new ones; its status is not an error here
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.num_host_slots} host slots"
@@ -267,27 +374,47 @@ class Worker(_Handle):
 
     # -- jobs -----------------------------------------------------------------------------------
 
-    def submit_job(self, job_id, kind, src, dst, block_index=0, compute_stream=0):
+    def submit_job(
+        self,
+        job_id: int,
+        kind: Union[JobKind, int, str],
+        src: IdsLike,
+        dst: IdsLike,
+        block_index: int = 0,
+        compute_stream: int = 0,
+    ) -> None:
         """Submits one job. ``kind``: :class:`JobKind` (or ``"load"`` / ``"store"``); ``src`` /
-        ``dst``: host slots → GPU blocks for a load, GPU blocks → host slots for a store;
-        ``block_index``: logical index of the first GPU block (``% block_size_factor``
-        sub-blocks of the first slot are skipped); ``compute_stream``: a CUDA stream handle
-        stores wait for (0: none).
+        ``dst``: host slots → GPU blocks for a load, GPU blocks → host slots for a store (each a
+        ``uint32`` buffer such as ``array('I')`` or a list of ints); ``block_index``: logical
+        index of the first GPU block (``% block_size_factor`` sub-blocks of the first slot are
+        skipped); ``compute_stream``: a CUDA stream handle stores wait for (0: none).
 
         Block ids that do not fit the registration make the job fail at :meth:`poll` (with the
         reason in :attr:`Completion.error`). Raises :class:`InvalidStateError` for a job id in
         flight or after :meth:`shutdown`, :class:`InvalidArgumentError` for an unknown kind.
         """
-        h = self._handle()
-        jid = _uint("job_id", job_id, _MAX_U64)
-        k = _kind(kind)
-        s, ns = _u32_array("src", src)
-        d, nd = _u32_array("dst", dst)
-        bi = _uint("block_index", block_index, _MAX_U32)
-        cs = _uint("compute_stream", compute_stream, _MAX_U64)
-        lib.kvo_worker_submit_job(h, jid, k, s, ns, d, nd, bi, cs)
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        try:
+            k = _KIND_CODES[kind] if type(kind) is not bool else None
+        except (KeyError, TypeError):
+            k = None
+        if k is None:
+            k = _kind(kind)
+        s, ns, keep_s = u32_arg(src, "src")
+        d, nd, keep_d = u32_arg(dst, "dst")
+        if type(job_id) is not int or not 0 <= job_id <= _MAX_U64:
+            job_id = _uint("job_id", job_id, _MAX_U64)
+        if type(block_index) is not int or not 0 <= block_index <= _MAX_U32:
+            block_index = _uint("block_index", block_index, _MAX_U32)
+        if type(compute_stream) is not int or not 0 <= compute_stream <= _MAX_U64:
+            compute_stream = _uint("compute_stream", compute_stream, _MAX_U64)
+        st = _submit_job(h, job_id, k, s, ns, d, nd, block_index, compute_stream)
+        if st:
+            raise _failure(st)
 
-    def submit_step(self, step, compute_stream=0):
+    def submit_step(self, step: Step, compute_stream: int = 0) -> None:
         """Executes a :class:`Step` (from :meth:`Scheduler.build_step` or :meth:`Step.decode`)
         before its forward pass: submits the previous plan's deferred stores, waits for the
         flush set, submits the loads, and defers the plan's stores (they read what this step's
@@ -295,45 +422,81 @@ class Worker(_Handle):
         :meth:`wait` naming one. Raises :class:`InvalidArgumentError` if the plan's
         block_size_factor differs from the worker's, :class:`InvalidStateError` if one of its
         job ids is in flight or after :meth:`shutdown` (then nothing is submitted)."""
-        h = self._handle()
+        h = self._h
+        if h is None:
+            raise self._closed_error()
         if not isinstance(step, Step):
             raise TypeError(f"step: expected a Step, got {type(step).__name__}")
-        cs = _uint("compute_stream", compute_stream, _MAX_U64)
-        lib.kvo_worker_submit_step(h, step._handle(), cs)
+        sh = step._h
+        if sh is None:
+            raise step._closed_error()
+        st = _submit_step(h, sh, _u64("compute_stream", compute_stream))
+        if st:
+            raise _failure(st)
 
-    def submit_stores(self):
+    def submit_stores(self) -> None:
         """Submits the stores deferred from the last plan now (once its forward pass has been
         issued, when no further plan follows soon). Raises :class:`InvalidStateError` after
         :meth:`shutdown`."""
-        lib.kvo_worker_submit_stores(self._handle())
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        st = _submit_stores(h)
+        if st:
+            raise _failure(st)
 
-    def poll(self, max=256) -> List[Completion]:  # noqa: A002  (the documented name)
-        """Up to ``max`` finished jobs (per direction in submission order); the rest stay for
-        the next call. Failed ones carry the library's message in ``error``."""
-        h = self._handle()
-        cap = _uint("max", max, 2**31 - 1)
-        if cap == 0:
-            return []
-        out = (_ffi.kvo_completion * cap)()
-        n = ctypes.c_size_t()
-        lib.kvo_worker_poll(h, out, cap, ctypes.byref(n))
-        done = []
-        for c in out[: n.value]:
-            error = None if c.success else self._job_error(h, c.job_id)
-            done.append(Completion(c.job_id, bool(c.success), c.bytes, c.seconds, error))
-        return done
+    def poll(self, max: int = 256) -> Completions:  # noqa: A002  (the documented name)
+        """Up to ``max`` finished jobs (per direction in submission order) as
+        :class:`Completions`; the rest stay for the next call. Failed ones carry the library's
+        message (``errors``, and :attr:`Completion.error`)."""
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        cap = max if type(max) is int and 0 <= max <= _MAX_U64 else _uint("max", max, _MAX_U64)
+        got_out = _Out()
+        ga = _addressof(got_out)
+        # Small first: an idle poll allocates little; the chunks grow while calls come back full.
+        room = cap if cap < _POLL_FIRST else _POLL_FIRST
+        words = _ZERO_WORDS[: _WORDS * room]
+        errors = {}
+        n = 0
+        while True:
+            st = _poll(h, words.buffer_info()[0] + 4 * _WORDS * n, room, ga)
+            if st:
+                raise _failure(st)
+            got = got_out[0]
+            if got:
+                flags = words[_WORDS * n + 6 : _WORDS * (n + got) : _WORDS]
+                if flags.count(1) != got:  # read the failed jobs' messages now
+                    for i, ok in enumerate(flags):
+                        if not ok:
+                            c = _ffi.kvo_completion.from_buffer_copy(words, 4 * _WORDS * (n + i))
+                            errors[c.job_id] = self._job_error(h, c.job_id)
+            n += got
+            if got < room or n == cap:
+                break
+            room = min(cap - n, 4 * room, _POLL_CHUNK)
+            words.extend(_ZERO_WORDS[: _WORDS * room])
+        del words[_WORDS * n :]
+        out = _new(Completions)
+        out._words = words
+        out.errors = errors
+        return out
 
     def _job_error(self, h, job_id):
-        need = ctypes.c_size_t()
-        try:
-            lib.kvo_worker_job_error(h, job_id, None, 0, ctypes.byref(need))
-            buf = ctypes.create_string_buffer(need.value + 1)
-            lib.kvo_worker_job_error(h, job_id, buf, len(buf), ctypes.byref(need))
-        except NotFoundError:
+        need = _Out()
+        st = _job_error_fn(h, job_id, None, 0, _addressof(need))
+        if st == _NOT_FOUND:
             return ""
+        if st:
+            raise _failure(st)
+        buf = ctypes.create_string_buffer(need[0] + 1)
+        st = _job_error_fn(h, job_id, _addressof(buf), len(buf), _addressof(need))
+        if st:
+            raise _failure(st)
         return buf.value.decode("utf-8", "replace")
 
-    def wait(self, job_ids, timeout_ms=None):
+    def wait(self, job_ids: Union[int, IdsLike], timeout_ms: Optional[int] = None) -> None:
         """Blocks until every listed job has finished (the flush before a forward pass); their
         completions stay for :meth:`poll`. ``job_ids``: a sequence of ids (or one id);
         ``timeout_ms``: None waits without limit.
@@ -341,15 +504,25 @@ class Worker(_Handle):
         Raises :class:`NotFoundError` for an id never submitted or already polled,
         :class:`KvoTimeoutError` when the time runs out first.
         """
-        h = self._handle()
+        h = self._h
+        if h is None:
+            raise self._closed_error()
         if hasattr(job_ids, "__index__") and not isinstance(job_ids, bool):
             job_ids = [job_ids]
-        ids = [_uint(f"job_ids[{i}]", j, _MAX_U64) for i, j in enumerate(_seq("job_ids", job_ids))]
+        ids, n, keep = u64_arg(job_ids, "job_ids")
         t = _MAX_U64 if timeout_ms is None else _uint("timeout_ms", timeout_ms, _MAX_U64)
-        arr = (ctypes.c_uint64 * len(ids))(*ids) if ids else None
-        lib.kvo_worker_wait(h, arr, len(ids), t)
+        st = _wait(h, ids, n, t)
+        if st:
+            raise _failure(st)
 
-    def swap_blocks(self, src_tensor, dst_tensor, src_blocks, dst_blocks, job_id=None):
+    def swap_blocks(
+        self,
+        src_tensor: int,
+        dst_tensor: int,
+        src_blocks: IdsLike,
+        dst_blocks: IdsLike,
+        job_id: Optional[int] = None,
+    ) -> None:
         """Copies block ``src_blocks[i]`` of tensor ``src_tensor`` to block ``dst_blocks[i]`` of
         tensor ``dst_tensor`` (indices into the registration, equal page sizes). Without
         ``job_id`` it runs now; with one it is queued and reported by :meth:`poll`.
@@ -357,19 +530,23 @@ class Worker(_Handle):
         Raises :class:`InvalidArgumentError` for tensor indices, block ids or page sizes that do
         not fit, :class:`InvalidStateError` for a job id in flight or after :meth:`shutdown`.
         """
-        h = self._handle()
+        h = self._h
+        if h is None:
+            raise self._closed_error()
         st = _uint("src_tensor", src_tensor, _MAX_U32)
         dt = _uint("dst_tensor", dst_tensor, _MAX_U32)
-        s, ns = _u32_array("src_blocks", src_blocks)
-        d, nd = _u32_array("dst_blocks", dst_blocks)
+        s, ns, keep_s = u32_arg(src_blocks, "src_blocks")
+        d, nd, keep_d = u32_arg(dst_blocks, "dst_blocks")
         if ns != nd:
             raise ValueError(f"dst_blocks: {nd} ids for {ns} src_blocks")
         jid = 0 if job_id is None else _uint("job_id", job_id, _MAX_U64)
-        lib.kvo_worker_swap_blocks(h, st, dt, s, d, ns, 0 if job_id is None else 1, jid)
+        status = _swap_blocks(h, st, dt, s, d, ns, 0 if job_id is None else 1, jid)
+        if status:
+            raise _failure(status)
 
     # -- host tier ------------------------------------------------------------------------------
 
-    def host_buffer_address(self, tensor) -> Tuple[int, int]:
+    def host_buffer_address(self, tensor: int) -> Tuple[int, int]:
         """``(address, length)`` of tensor ``tensor``'s host tier buffer (valid until
         :meth:`close`). Slot ``s``, sub-block ``j`` starts at ``address + s * page_size *
         block_size_factor + j * page_size``."""
@@ -380,14 +557,14 @@ class Worker(_Handle):
         lib.kvo_worker_get_host_buffer(h, t, ctypes.byref(p), ctypes.byref(n))
         return p.value or 0, n.value
 
-    def host_buffer(self, tensor) -> memoryview:
-        """Tensor ``tensor``'s host tier buffer as a writable byte memoryview. It is released
-        by :meth:`close`; do not keep other views of its memory past that."""
+    def host_buffer(self, tensor: int) -> memoryview:
+        """Tensor ``tensor``'s host tier buffer as a writable byte memoryview. The view (and
+        every slice of it) keeps the tier alive: after :meth:`close` the memory is freed only
+        once the last of them is gone."""
         address, n = self.host_buffer_address(tensor)
-        view = memoryview((ctypes.c_char * n).from_address(address)).cast("B")
-        self._views = [r for r in self._views if r() is not None]
-        self._views.append(weakref.ref(view))
-        return view
+        mem = (ctypes.c_char * n).from_address(address)
+        mem.lifetime = self._life  # views hold `mem`, `mem` holds the worker
+        return memoryview(mem).cast("B")
 
     def stats(self) -> WorkerStats:
         """Counters per direction and jobs in flight (``kvo_worker_get_stats``)."""
@@ -415,7 +592,7 @@ class Worker(_Handle):
         collector yields as ``Metric(family, help, type)`` with ``add_sample`` per sample."""
         return _metrics.parse(self.metrics_text(prefix, labels))
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         """Finishes every job in flight, then refuses new submissions
         (:class:`InvalidStateError`). Completions stay pollable."""
         lib.kvo_worker_shutdown(self._handle())

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Runs every Python test of kvoffload (stdlib unittest) and ends with `N passed, M failed`.
 
-Usage: python3 python/tests/run.py [-v] [-k PATTERN ...]
-The library is found as kvoffload does (KVOFFLOAD_LIB, then target/{release,debug}).
+Usage: python3 python/tests/run.py [-v] [--installed] [-k PATTERN ...]
+Tests the package of this checkout (`python/kvoffload`, put first on sys.path), or with
+`--installed` the one the interpreter has installed (`pip install .`; then it must come from
+outside this tree and load the library bundled in it, unless KVOFFLOAD_LIB says otherwise).
+The library is found as kvoffload does (`kvoffload.library_path` is printed).
 Exit status 0 only when at least one test ran and none failed.
 """
 
@@ -17,7 +20,15 @@ PYTHON_DIR = os.path.dirname(HERE)
 def main(argv):
     verbosity = 2 if "-v" in argv else 1
     patterns = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-k"]
-    sys.path.insert(0, PYTHON_DIR)
+    installed = "--installed" in argv
+    if installed:
+        os.environ["KVOFFLOAD_TEST_INSTALLED"] = "1"
+    else:
+        sys.path.insert(0, PYTHON_DIR)
+    import kvoffload
+
+    print(f"kvoffload {kvoffload.__version__} from {os.path.dirname(kvoffload.__file__)}, "
+          f"library {kvoffload.library_path}", flush=True)
     loader = unittest.TestLoader()
     if patterns:
         loader.testNamePatterns = [p if "*" in p else f"*{p}*" for p in patterns]

@@ -6,11 +6,8 @@ load cannot overwrite the KV that request 3 computes into those blocks.
 """
 
 import ctypes
-import os
-import sys
 import unittest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from kvoffload import JobKind, KvTensor, Match, ScheduledRequest, Scheduler, Worker  # noqa: E402
 

@@ -11,11 +11,9 @@ and the constants are compared as well.
 import ctypes
 import os
 import re
-import sys
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, os.pardir))
 
 import kvoffload  # noqa: E402
 from kvoffload import _ffi  # noqa: E402
@@ -308,6 +306,26 @@ class HeaderDriftTest(unittest.TestCase):
                 else:
                     self.assertFalse(hasattr(f, "errcheck") and f.errcheck is _ffi._errcheck,
                                      f"{name}: errcheck on a function without kvo_status")
+
+    def test_fast_bindings_match(self):
+        """The hot-path bindings (``_ffi.fast``): every status-returning function, the same
+        argument count, integers exactly as the header's, every pointer as ``c_void_p``, no
+        errcheck (their callers test the status)."""
+        status_fns = {n for n, (ret, _p) in self.functions.items() if ret == "kvo_status"}
+        self.assertEqual(sorted(_ffi.fast), sorted(status_fns))
+        for name in sorted(status_fns):
+            with self.subTest(function=name):
+                f = _ffi.fast[name]
+                params = self.functions[name][1]
+                self.assertEqual(len(f.argtypes), len(params), f"{name}: argument count differs")
+                for i, (ct, pt) in enumerate(zip(params, f.argtypes)):
+                    if "*" in ct:
+                        self.assertIs(pt, ctypes.c_void_p, f"{name} argument {i} ({ct})")
+                    else:
+                        why = compatible(c_type(ct, self.typedefs), py_type(pt))
+                        self.assertIsNone(why, f"{name} argument {i} ({ct}): {why}")
+                self.assertIs(f.restype, ctypes.c_int32)
+                self.assertIsNone(f.errcheck)
 
     def test_void_functions_have_restype_none(self):
         for name, (ret, _params) in self.functions.items():

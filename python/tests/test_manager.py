@@ -9,7 +9,8 @@ import tempfile
 import threading
 import unittest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 import kvoffload  # noqa: E402
 from kvoffload import (  # noqa: E402
@@ -91,14 +92,66 @@ class ModuleTest(unittest.TestCase):
 class LoaderTest(unittest.TestCase):
     """Import-time checks, each in a fresh interpreter."""
 
-    PYTHON_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+    # The directory holding the package under test (this checkout's python/ or site-packages).
+    PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(kvoffload.__file__)))
 
-    def import_with(self, lib_path):
-        env = dict(os.environ, KVOFFLOAD_LIB=lib_path, PYTHONDONTWRITEBYTECODE="1")
+    def import_with(self, lib_path, code="import kvoffload", cwd=None, **env_changes):
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **env_changes)
+        env.pop("KVOFFLOAD_LIB", None)
+        if lib_path is not None:
+            env["KVOFFLOAD_LIB"] = lib_path
         return subprocess.run(
-            [sys.executable, "-c", "import kvoffload"],
-            cwd=self.PYTHON_DIR, env=env, capture_output=True, text=True, timeout=60,
+            [sys.executable, "-c", code],
+            cwd=cwd or self.PYTHON_DIR, env=env, capture_output=True, text=True, timeout=60,
         )
+
+    def test_system_search_is_used_when_nothing_is_bundled(self):
+        # A copy of the package outside any checkout, with no library inside: the loader falls
+        # back to the system search (LD_LIBRARY_PATH here) and reports the file it loaded.
+        lib = os.path.realpath(kvoffload.library_path)
+        with tempfile.TemporaryDirectory() as d:
+            pkg = os.path.join(d, "kvoffload")
+            shutil.copytree(os.path.dirname(kvoffload.__file__), pkg,
+                            ignore=shutil.ignore_patterns("*.so", "*.dylib", "*.dll",
+                                                          "__pycache__"))
+            libdir = os.path.join(d, "lib")
+            os.mkdir(libdir)
+            shutil.copy(lib, os.path.join(libdir, os.path.basename(lib)))
+            code = "import kvoffload, os; print(os.path.realpath(kvoffload.library_path))"
+            r = self.import_with(None, code, cwd=d, LD_LIBRARY_PATH=libdir)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(r.stdout.strip(), os.path.realpath(os.path.join(libdir,
+                                                                              os.path.basename(lib))))
+            r = self.import_with(None, code, cwd=d, LD_LIBRARY_PATH=os.path.join(d, "none"))
+            if r.returncode == 0:  # installed system-wide: found there, never in the checkout
+                self.assertNotIn(os.path.realpath(os.path.join(HERE, os.pardir, os.pardir)),
+                                 r.stdout)
+            else:
+                self.assertIn("not found", r.stderr)
+                self.assertIn("pip install", r.stderr)
+
+    def test_a_bundled_library_comes_first(self):
+        lib = os.path.realpath(kvoffload.library_path)
+        with tempfile.TemporaryDirectory() as d:
+            pkg = os.path.join(d, "kvoffload")
+            shutil.copytree(os.path.dirname(kvoffload.__file__), pkg,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+            bundled = os.path.join(pkg, os.path.basename(lib))
+            if not os.path.exists(bundled):
+                shutil.copy(lib, bundled)
+            code = "import kvoffload, os; print(os.path.realpath(kvoffload.library_path))"
+            r = self.import_with(None, code, cwd=d, LD_LIBRARY_PATH=os.path.join(d, "none"))
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(r.stdout.strip(), os.path.realpath(bundled))
+
+    def test_installed_package_loads_its_bundled_library(self):
+        if not os.environ.get("KVOFFLOAD_TEST_INSTALLED"):
+            self.skipTest("run.py --installed tests an installed package")
+        pkg = os.path.dirname(os.path.realpath(kvoffload.__file__))
+        checkout = os.path.realpath(os.path.join(HERE, os.pardir))
+        self.assertFalse(pkg.startswith(checkout + os.sep), f"{pkg} is this checkout's")
+        if not os.environ.get("KVOFFLOAD_LIB"):
+            self.assertEqual(os.path.dirname(os.path.realpath(kvoffload.library_path)), pkg)
 
     def test_missing_library_is_an_import_error(self):
         r = self.import_with("/nonexistent/libkvoffload.so")
@@ -136,8 +189,8 @@ class LruWorkedExampleTest(unittest.TestCase):
         self.addCleanup(m.close)
 
         plan = m.prepare_store(ks(1, 2))
-        self.assertEqual(plan.indices, [0, 1])
-        self.assertEqual(plan.slots, [0, 1])
+        self.assertEqual(list(plan.indices), [0, 1])
+        self.assertEqual(list(plan.slots), [0, 1])
         self.assertEqual(plan.evicted, [])
         self.assertEqual(m.lookup(k(1)), Lookup.RETRY)
         self.assertEqual(m.lookup(k(1)), Lookup.RETRY)
@@ -148,8 +201,8 @@ class LruWorkedExampleTest(unittest.TestCase):
         m.check_invariants()
 
         plan = m.prepare_store(ks(2, 3, 4, 5))
-        self.assertEqual(plan.indices, [1, 2, 3])
-        self.assertEqual(plan.slots, [2, 3, 0])
+        self.assertEqual(list(plan.indices), [1, 2, 3])
+        self.assertEqual(list(plan.slots), [2, 3, 0])
         self.assertEqual(ids(plan.evicted), [1])
         self.assertEqual(m.lookup(k(1)), Lookup.MISS)
         m.check_invariants()
@@ -159,23 +212,23 @@ class LruWorkedExampleTest(unittest.TestCase):
         self.assertEqual(cm.exception.status, Status.NO_ROOM)
         m.complete_store(ks(2, 3, 4, 5))
 
-        self.assertEqual(m.prepare_load(ks(2, 3)), [1, 2])
+        self.assertEqual(list(m.prepare_load(ks(2, 3))), [1, 2])
         with self.assertRaises(NoRoomError):
             m.prepare_store(ks(6, 7, 8))
         m.complete_load(ks(2, 3))
         m.check_invariants()
 
         plan = m.prepare_store(ks(6, 7, 8))
-        self.assertEqual(plan.indices, [0, 1, 2])
+        self.assertEqual(list(plan.indices), [0, 1, 2])
         self.assertEqual(ids(plan.evicted), [4, 5, 2])
-        self.assertEqual(plan.slots, [1, 0, 3])
+        self.assertEqual(list(plan.slots), [1, 0, 3])
         m.complete_store(ks(6, 7, 8), slots=plan.slots)
         m.touch(ks(3, 6, 7))
 
         plan = m.prepare_store(ks(9))
         self.assertEqual(ids(plan.evicted), [8])
-        self.assertEqual(plan.slots, [3])
-        self.assertEqual(plan.indices, [0])
+        self.assertEqual(list(plan.slots), [3])
+        self.assertEqual(list(plan.indices), [0])
 
         m.complete_store(ks(7, 9), success=False)
         self.assertEqual(m.lookup(k(7)), Lookup.HIT)
@@ -212,16 +265,16 @@ class ArcTest(unittest.TestCase):
         with Manager(num_slots=3, key_len=8, policy="arc") as m:
             self.assertEqual(m.policy, kvoffload.Policy.ARC)
             plan = m.prepare_store(ks(1, 2, 3))
-            self.assertEqual(plan.slots, [0, 1, 2])
+            self.assertEqual(list(plan.slots), [0, 1, 2])
             m.complete_store(ks(1, 2, 3))
             self.assertEqual(m.lookup_prefix(ks(1, 2, 3, 4)), (3, False))
             m.touch(ks(1))  # 1 moves to T2; 2 is the LRU end of T1
             plan = m.prepare_store(ks(4))
-            self.assertEqual((plan.indices, plan.slots, ids(plan.evicted)), ([0], [1], [2]))
+            self.assertEqual((list(plan.indices), list(plan.slots), ids(plan.evicted)), ([0], [1], [2]))
             m.complete_store(ks(4))
             self.assertEqual(m.lookup(k(2)), Lookup.MISS)
             self.assertEqual(m.lookup(k(4)), Lookup.HIT)
-            self.assertEqual(m.prepare_load(ks(4, 1)), [1, 0])
+            self.assertEqual(list(m.prepare_load(ks(4, 1))), [1, 0])
             m.complete_load(ks(4, 1))
             m.check_invariants()
 
@@ -333,14 +386,19 @@ class ErrorTest(unittest.TestCase):
             with self.assertRaises(ValueError) as cm:
                 call([k(1), b"short"])
             self.assertIn("keys[1]", str(cm.exception))
-            with self.assertRaises(ValueError):
+            with self.assertRaises(TypeError) as cm:
                 call([k(1), "strkey12"])
-            with self.assertRaises(ValueError):
-                call(k(1))  # one bytes object instead of a list
+            self.assertIn("keys[1]", str(cm.exception))
+            with self.assertRaises(ValueError) as cm:
+                call(k(1) + b"short")  # one buffer, not a multiple of key_len
+            self.assertIn("keys", str(cm.exception))
+            self.assertIn("multiple of key_len", str(cm.exception))
+            with self.assertRaises(TypeError):
+                call("strkey12")
         with self.assertRaises(ValueError):
             m.lookup(b"\x00" * 9)
         with self.assertRaises(ValueError):
-            m.lookup(bytearray(8))
+            m.lookup(bytearray(16))  # two keys
         m.check_invariants()
         self.assertEqual(m.stats().lookups, 0)
 
@@ -381,8 +439,8 @@ class ErrorTest(unittest.TestCase):
 class BehaviourTest(unittest.TestCase):
     def test_empty_calls(self):
         with Manager(num_slots=2, key_len=8, enable_events=True) as m:
-            self.assertEqual(m.prepare_store([]), kvoffload.StorePlan([], [], []))
-            self.assertEqual(m.prepare_load([]), [])
+            self.assertEqual(tuple(map(list, m.prepare_store([]))), ([], [], []))
+            self.assertEqual(list(m.prepare_load([])), [])
             self.assertEqual(m.lookup_prefix([]), (0, False))
             m.touch([])
             m.complete_load([])
@@ -392,9 +450,9 @@ class BehaviourTest(unittest.TestCase):
     def test_duplicates_and_already_stored_keys_are_skipped(self):
         with Manager(num_slots=4, key_len=8) as m:
             plan = m.prepare_store(ks(1, 1, 2))
-            self.assertEqual(plan.indices, [0, 2])
+            self.assertEqual(list(plan.indices), [0, 2])
             m.complete_store(ks(1, 2))
-            self.assertEqual(m.prepare_store(ks(1, 2, 3)).indices, [2])
+            self.assertEqual(list(m.prepare_store(ks(1, 2, 3)).indices), [2])
             # complete_store may be repeated safely
             m.complete_store(ks(3))
             m.complete_store(ks(3))
@@ -431,11 +489,11 @@ class BehaviourTest(unittest.TestCase):
 
     def test_store_threshold(self):
         with Manager(num_slots=4, key_len=8, store_threshold=2) as m:
-            self.assertEqual(m.prepare_store(ks(1)).indices, [])
+            self.assertEqual(list(m.prepare_store(ks(1)).indices), [])
             self.assertEqual(m.stats().stores_skipped, 1)
             m.lookup(k(1))
             m.lookup(k(1))
-            self.assertEqual(m.prepare_store(ks(1)).indices, [0])
+            self.assertEqual(list(m.prepare_store(ks(1)).indices), [0])
 
     def test_reset_keeps_counters(self):
         with Manager(num_slots=2, key_len=8, enable_events=True) as m:
@@ -450,7 +508,7 @@ class BehaviourTest(unittest.TestCase):
             self.assertEqual((s.lookups, s.hits), (2, 1))
             self.assertEqual(m.take_events(), [], "reset makes no events")
             m.check_invariants()
-            self.assertEqual(m.prepare_store(ks(3, 4)).indices, [0, 1])
+            self.assertEqual(list(m.prepare_store(ks(3, 4)).indices), [0, 1])
 
     def test_many_events_grow_the_buffers(self):
         # More events and keys than take_events' first guess (16 events, 64 keys).

@@ -2,11 +2,8 @@
 size checks, NULL checks, BUFFER_TOO_SMALL sizes, last-error truncation, versioned structs."""
 
 import ctypes as C
-import os
-import sys
 import unittest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 import kvoffload  # noqa: E402
 from kvoffload import Status, _ffi  # noqa: E402

@@ -9,13 +9,10 @@ block hashes, the hash of GPU block ``i`` of prompt family ``seed`` is ``seed * 
 
 import ctypes
 import gc
-import os
 import random
-import sys
 import unittest
 import weakref
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 import kvoffload  # noqa: E402
 from kvoffload import (  # noqa: E402
@@ -320,7 +317,7 @@ class SchedulerStepTest(Base):
         plan = s.build_step([ScheduledRequest(1, 0, 36, 36, b1)])
         self.addCleanup(plan.close)
         (job,) = plan.jobs
-        self.assertEqual((job.kind, job.src, len(job.dst)), (JobKind.STORE, b1, 3))
+        self.assertEqual((job.kind, list(job.src), len(job.dst)), (JobKind.STORE, b1, 3))
         done = self.execute(s, plan, w)
         self.assertEqual((done[job.id].success, done[job.id].bytes), (True, 9 * 104))
         img0 = bytearray(SLOTS * 64 * 3)
@@ -506,14 +503,12 @@ class LifetimeTest(Base):
     def test_close_twice_and_use_after_close(self):
         (m0,) = self.mems()[:1]
         w = Worker([m0.tensor()], SLOTS)
-        view = w.host_buffer(0)
         self.assertIn("host", repr(w))
         w.close()
         w.close()
         self.assertTrue(w.closed)
+        self.assertFalse(w._finalizer.alive, "freed by close() when no host-tier view is held")
         self.assertIn("closed", repr(w))
-        with self.assertRaises(ValueError):
-            view[0]  # released with the worker
         with self.assertRaises(ValueError):
             w.poll()
         with self.assertRaises(ValueError):
@@ -521,6 +516,25 @@ class LifetimeTest(Base):
         with self.assertRaises(ValueError):
             with w:
                 pass
+
+    def test_host_buffer_views_keep_the_tier_until_they_go(self):
+        (m0,) = self.mems()[:1]
+        w = Worker([m0.tensor()], SLOTS)
+        view = w.host_buffer(0)
+        view[64:128] = bytes(range(64))
+        part = view[64:128]  # a slice: its own view of the same memory
+        del view
+        w.close()
+        self.assertTrue(w.closed)
+        with self.assertRaises(ValueError):
+            w.host_buffer(0)
+        self.assertTrue(w._finalizer.alive, "the slice still shows the tier: not freed yet")
+        self.assertEqual(bytes(part), bytes(range(64)))  # still the tier's bytes, not freed memory
+        part[0] = 7
+        self.assertEqual(part[0], 7)
+        del part
+        gc.collect()
+        self.assertFalse(w._finalizer.alive, "freed with the last view")
 
     def test_context_manager_and_finalizer(self):
         (m0,) = self.mems()[:1]

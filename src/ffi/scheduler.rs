@@ -483,6 +483,97 @@ pub unsafe extern "C" fn kvo_scheduler_build_step(
     })
 }
 
+/// `kvo_scheduler_build_step` with the scheduled requests given as arrays (one entry per
+/// request, `n_scheduled` entries each) instead of structs: request `i` is `request_ids[i]`,
+/// with `num_computed_tokens[i]`, `num_scheduled_tokens[i]`, `num_tokens[i]`, the next
+/// `n_new_block_ids[i]` ids of `block_ids` (the requests' new block ids back to back,
+/// `n_block_ids` in all) and resumed when `resumed` is non-NULL and `resumed[i]` non-zero.
+/// For hosts that keep their batch in arrays (Python, numpy): the same plan, one call.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` for a NULL handle or a NULL array with
+/// entries; `KVO_STATUS_INVALID_ARGUMENT` when an array's size overflows the address space or
+/// the counts of `n_new_block_ids` do not add up to `n_block_ids`; otherwise as
+/// `kvo_scheduler_build_step` (`KVO_STATUS_NOT_FOUND`, `KVO_STATUS_INVALID_STATE`,
+/// `KVO_STATUS_INVALID_ARGUMENT`, naming `scheduled[i]` for request `i`). On failure nothing
+/// changes and `step` is not written.
+///
+/// # Safety
+/// `s`, `step` NULL or live; the five per-request arrays and `resumed` NULL or `n_scheduled`
+/// readable entries; `block_ids` NULL or `n_block_ids` entries; `preempted` NULL or
+/// `n_preempted` entries.
+#[unsafe(no_mangle)]
+#[must_use]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvo_scheduler_build_step_arrays(
+    s: *mut kvo_scheduler,
+    n_scheduled: usize,
+    request_ids: *const u64,
+    num_computed_tokens: *const u64,
+    num_scheduled_tokens: *const u64,
+    num_tokens: *const u64,
+    n_new_block_ids: *const u64,
+    block_ids: *const u32,
+    n_block_ids: usize,
+    resumed: *const u8,
+    preempted: *const u64,
+    n_preempted: usize,
+    step: *mut kvo_step,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let sc = unsafe { sched(s) }?;
+        // SAFETY: forwarded from the caller.
+        let step = unsafe { handle(step, "step") }?;
+        let n = n_scheduled;
+        // SAFETY (all five): forwarded from the caller.
+        let ids = unsafe { slice(request_ids, n, "request_ids") }?;
+        // SAFETY: as above.
+        let computed = unsafe { slice(num_computed_tokens, n, "num_computed_tokens") }?;
+        // SAFETY: as above.
+        let sched_tokens = unsafe { slice(num_scheduled_tokens, n, "num_scheduled_tokens") }?;
+        // SAFETY: as above.
+        let tokens = unsafe { slice(num_tokens, n, "num_tokens") }?;
+        // SAFETY: as above.
+        let counts = unsafe { slice(n_new_block_ids, n, "n_new_block_ids") }?;
+        // SAFETY: forwarded from the caller.
+        let blocks = unsafe { slice(block_ids, n_block_ids, "block_ids") }?;
+        let resumed = if resumed.is_null() {
+            &[]
+        } else {
+            // SAFETY: forwarded from the caller.
+            unsafe { slice(resumed, n, "resumed") }?
+        };
+        // SAFETY: forwarded from the caller.
+        let preempted = unsafe { slice(preempted, n_preempted, "preempted") }?;
+        counts
+            .iter()
+            .try_fold(0u64, |a, &c| a.checked_add(c))
+            .filter(|&t| t == n_block_ids as u64)
+            .ok_or_else(|| {
+                Failure::invalid(format!(
+                    "n_new_block_ids: the counts do not add up to n_block_ids ({n_block_ids})"
+                ))
+            })?;
+        let mut list = Vec::with_capacity(n);
+        let mut at = 0usize;
+        for i in 0..n {
+            let end = at + counts[i] as usize;
+            list.push(ScheduledRequest {
+                request_id: ids[i],
+                num_computed_tokens: computed[i],
+                num_scheduled_tokens: sched_tokens[i],
+                num_tokens: tokens[i],
+                new_block_ids: &blocks[at..end],
+                resumed: resumed.get(i).is_some_and(|&r| r != 0),
+            });
+            at = end;
+        }
+        let mut sc = sc.get()?;
+        step.with_step(|st| sc.build_step(&list, preempted, st))??;
+        Ok(())
+    })
+}
+
 /// Counts worker reports. A job completes once `num_workers` reports arrived (failed if any
 /// failed): a store's chunks become ready (or are rolled back); a load's keys are unpinned (on
 /// failure also dropped from the tier, and `kvo_scheduler_load_failure` tells what the request

@@ -3,7 +3,7 @@
 use super::{
     Failure, free_handle, give, guard, handle, kvo_status, lock, non_null, slice, slice_mut, write,
 };
-use crate::plan::Step;
+use crate::plan::{JobDesc, Step};
 use std::sync::{Mutex, MutexGuard};
 
 /// Version of the encoding written by `kvo_step_encode`; `kvo_step_decode` rejects others.
@@ -72,6 +72,19 @@ pub struct kvo_job_info {
 }
 
 const STEP: &str = "step";
+
+fn job_info(s: &Step, j: &JobDesc) -> kvo_job_info {
+    kvo_job_info {
+        id: j.id,
+        request_id: j.request_id,
+        kind: j.kind as u32,
+        group_size: j.num_gpu_blocks,
+        block_index: j.block_index,
+        reserved: 0,
+        n_src: s.src(j).len(),
+        n_dst: s.dst(j).len(),
+    }
+}
 
 /// Creates an empty step plan; writes it to `*out` on success. Free it with `kvo_step_free`.
 ///
@@ -160,16 +173,7 @@ pub unsafe extern "C" fn kvo_step_get_job(
                     s.jobs().len()
                 ))
             })?;
-            Ok::<_, Failure>(kvo_job_info {
-                id: j.id,
-                request_id: j.request_id,
-                kind: j.kind as u32,
-                group_size: j.num_gpu_blocks,
-                block_index: j.block_index,
-                reserved: 0,
-                n_src: s.src(j).len(),
-                n_dst: s.dst(j).len(),
-            })
+            Ok::<_, Failure>(job_info(s, j))
         })??;
         // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
         unsafe { write(out, info) };
@@ -223,6 +227,75 @@ pub unsafe extern "C" fn kvo_step_get_job_blocks(
             let out_d = unsafe { slice_mut(out_dst, dst.len(), "out_dst") }?;
             out_s.copy_from_slice(src);
             out_d.copy_from_slice(dst);
+            Ok(())
+        })?
+    })
+}
+
+/// Copies every job of the plan at once: `kvo_job_info` of job `i` to `out_jobs[i]`, and the
+/// block ids of all jobs, back to back in job order (each job's `n_src` source ids, then its
+/// `n_dst` destination ids), to `out_blocks`. Writes the numbers of jobs and of block ids to
+/// `*out_n_jobs` and `*out_n_blocks`.
+///
+/// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_BUFFER_TOO_SMALL` if
+/// `jobs_cap` or `blocks_cap` is too small (both needed numbers are written to `*out_n_jobs` /
+/// `*out_n_blocks`, nothing else; pass 0 and 0 to ask).
+///
+/// # Safety
+/// `step` is NULL or live; `out_jobs` NULL or `jobs_cap` writable entries; `out_blocks` NULL or
+/// `blocks_cap` writable entries; `out_n_jobs`, `out_n_blocks` NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvo_step_get_jobs(
+    step: *const kvo_step,
+    out_jobs: *mut kvo_job_info,
+    jobs_cap: usize,
+    out_blocks: *mut u32,
+    blocks_cap: usize,
+    out_n_jobs: *mut usize,
+    out_n_blocks: *mut usize,
+) -> kvo_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { handle(step, STEP) }?;
+        non_null(out_n_jobs, "out_n_jobs")?;
+        non_null(out_n_blocks, "out_n_blocks")?;
+        h.with_step(|s| {
+            let jobs = s.jobs();
+            let n_blocks: usize = jobs.iter().map(|j| s.src(j).len() + s.dst(j).len()).sum();
+            if jobs_cap < jobs.len() || blocks_cap < n_blocks {
+                // SAFETY: the out-pointers, checked non-NULL above, are writable (the contract).
+                unsafe {
+                    write(out_n_jobs, jobs.len());
+                    write(out_n_blocks, n_blocks);
+                }
+                let (name, cap, need) = if jobs_cap < jobs.len() {
+                    ("jobs_cap", jobs_cap, jobs.len())
+                } else {
+                    ("blocks_cap", blocks_cap, n_blocks)
+                };
+                return Err(Failure::new(
+                    kvo_status::BufferTooSmall,
+                    format!("{name}: {cap}, {need} needed"),
+                ));
+            }
+            // SAFETY: forwarded from the caller.
+            let out_j = unsafe { slice_mut(out_jobs, jobs.len(), "out_jobs") }?;
+            // SAFETY: forwarded from the caller.
+            let out_b = unsafe { slice_mut(out_blocks, n_blocks, "out_blocks") }?;
+            let mut at = 0;
+            for (slot, j) in out_j.iter_mut().zip(jobs) {
+                *slot = job_info(s, j);
+                for ids in [s.src(j), s.dst(j)] {
+                    out_b[at..at + ids.len()].copy_from_slice(ids);
+                    at += ids.len();
+                }
+            }
+            // SAFETY: as above.
+            unsafe {
+                write(out_n_jobs, jobs.len());
+                write(out_n_blocks, n_blocks);
+            }
             Ok(())
         })?
     })

@@ -29,7 +29,7 @@ impl Scheduler {
     /// Fails with [`Error::InvalidState`], changing nothing, if the request is finished or its
     /// block hashes do not cover its tokens.
     pub fn match_request(&mut self, id: u64, num_computed_tokens: u64) -> Result<Match> {
-        let (kl, obs, gbs) = (
+        let (kl, chunk_tokens, gbs) = (
             self.cfg.key_len,
             self.chunk_tokens(),
             self.cfg.gpu_block_size as u64,
@@ -58,7 +58,7 @@ impl Scheduler {
             return Ok(Match::Defer(DeferReason::JobsInFlight));
         }
         r.num_local_computed = num_computed_tokens;
-        let result = lookup(&mut self.manager, r, num_computed_tokens, obs, kl)?;
+        let result = lookup(&mut self.manager, r, num_computed_tokens, chunk_tokens, kl)?;
         match result {
             Match::Defer(DeferReason::StoreInFlight) => self.stats.deferred_store_in_flight += 1,
             Match::Defer(_) => self.stats.deferred_being_loaded += 1,
@@ -89,7 +89,7 @@ impl Scheduler {
         block_ids: &[u32],
         num_external_tokens: u64,
     ) -> Result<Option<u64>> {
-        let (kl, obs, gbs) = (
+        let (kl, chunk_tokens, gbs) = (
             self.cfg.key_len,
             self.chunk_tokens(),
             self.cfg.gpu_block_size as u64,
@@ -115,7 +115,7 @@ impl Scheduler {
         let local = r.num_local_computed;
         let total = local
             .checked_add(num_external_tokens)
-            .filter(|&t| t <= r.num_keys(kl) * obs)
+            .filter(|&t| t <= r.num_keys(kl) * chunk_tokens)
             .ok_or_else(|| {
                 invalid!(
                     "num_external_tokens: {num_external_tokens} after {local} GPU-hit tokens exceeds the {} offloaded chunks",
@@ -130,7 +130,7 @@ impl Scheduler {
             ));
         }
         let local_gpu = local / gbs;
-        let num_chunks = total.div_ceil(obs);
+        let num_chunks = total.div_ceil(chunk_tokens);
         let r = &self.requests[&id];
         let keys = r.keys_of(
             kl,
@@ -191,14 +191,14 @@ fn being_loaded(m: &Manager, keys: &[u8], kl: usize) -> bool {
 /// The lookup of vLLM 0.24 `get_num_new_matched_tokens` for one full-attention group: the ready
 /// chunks after the GPU hit of `c` tokens, capped by the request's tokens. Then touches all the
 /// request's keys (in the same pass over the tier's index).
-fn lookup(m: &mut Manager, r: &Request, c: u64, obs: u64, kl: usize) -> Result<Match> {
+fn lookup(m: &mut Manager, r: &Request, c: u64, chunk_tokens: u64, kl: usize) -> Result<Match> {
     let nk = r.num_keys(kl);
-    let max_hit = r.num_tokens.min(nk * obs);
-    if max_hit < c.saturating_add(obs) {
+    let max_hit = r.num_tokens.min(nk * chunk_tokens);
+    if max_hit < c.saturating_add(chunk_tokens) {
         m.touch(&r.keys)?;
         return Ok(Match::Miss);
     }
-    let (start, end) = (c / obs, max_hit.div_ceil(obs).min(nk));
+    let (start, end) = (c / chunk_tokens, max_hit.div_ceil(chunk_tokens).min(nk));
     let p = m.lookup_prefix_touch(&r.keys, start as usize..end as usize)?;
     if p.hits == 0 {
         return Ok(Match::Miss);
@@ -206,13 +206,17 @@ fn lookup(m: &mut Manager, r: &Request, c: u64, obs: u64, kl: usize) -> Result<M
     if p.retry {
         return Ok(Match::Defer(DeferReason::StoreInFlight));
     }
-    let hit = max_hit.min(obs * (start + p.hits as u64)) - c;
-    if hit < obs {
+    let hit = max_hit.min(chunk_tokens * (start + p.hits as u64)) - c;
+    if hit < chunk_tokens {
         return Ok(Match::Miss);
     }
     // Only loads pin keys: with none in flight nothing can be being loaded.
     Ok(
-        if being_loaded(m, r.keys_of(kl, c / obs, (c + hit).div_ceil(obs)), kl) {
+        if being_loaded(
+            m,
+            r.keys_of(kl, c / chunk_tokens, (c + hit).div_ceil(chunk_tokens)),
+            kl,
+        ) {
             Match::Defer(DeferReason::BeingLoaded)
         } else {
             Match::Hit(hit)

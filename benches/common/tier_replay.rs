@@ -1,12 +1,16 @@
-//! Trace replay: drives the offload tier with the block sequence of a request trace
-//! (Mooncake format, one JSON object a line with `hash_ids`), as `kvo-replay` and the benches do.
+//! Tier replay for the manager benchmark and `tests/replay.rs` (included by `#[path]`): drives
+//! the offload tier alone with the block sequence of a request trace (Mooncake format, one JSON
+//! object a line with `hash_ids`), through the Rust API or the C ABI.
 //!
 //! Per request: prefix lookup of its keys, touch, prepare/complete load of the hits, then
 //! prepare/complete store of all its blocks (already stored ones are filtered by the tier).
+//! A failing call panics: these are a benchmark's and a test's helpers.
 
-use crate::error::{Error, Result};
-use crate::ffi::{self, kvo_status};
-use crate::manager::{Manager, ManagerConfig, ManagerStats, StorePlan};
+#![allow(dead_code)]
+
+use kvoffload::ffi::{self, kvo_policy, kvo_status};
+use kvoffload::manager::{Manager, ManagerConfig, ManagerStats, Policy, StorePlan};
+use kvoffload::{Error, Result};
 use std::path::Path;
 
 /// One request of a trace.
@@ -26,16 +30,13 @@ pub struct TraceRequest {
 }
 
 /// Reads a JSON-lines trace.
-pub fn load_trace(path: &Path) -> Result<Vec<TraceRequest>> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::InvalidArgument(format!("trace {}: {e}", path.display())))?;
+pub fn load_trace(path: &Path) -> std::result::Result<Vec<TraceRequest>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| {
-            serde_json::from_str(l).map_err(|e| {
-                Error::CorruptData(format!("trace {} line {}: {e}", path.display(), i + 1))
-            })
+            serde_json::from_str(l).map_err(|e| format!("{} line {}: {e}", path.display(), i + 1))
         })
         .collect()
 }
@@ -200,29 +201,33 @@ pub struct FfiTier {
 }
 
 impl FfiTier {
-    /// A tier over a new C handle.
+    /// A tier over a new C handle, configured with every field of `cfg`.
     pub fn new(cfg: &ManagerConfig) -> Self {
-        let mut c = std::mem::MaybeUninit::uninit();
-        // SAFETY: valid out-pointers; the handle is freed in Drop.
-        unsafe {
-            assert_eq!(
-                ffi::kvo_manager_config_default(c.as_mut_ptr()),
-                kvo_status::Ok
-            );
-            let mut c = c.assume_init();
-            c.key_len = cfg.key_len as u32;
-            c.num_slots = cfg.num_slots as u64;
-            c.policy = cfg.policy as u32;
-            let mut handle = std::ptr::null_mut();
-            assert_eq!(ffi::kvo_manager_new(&c, &mut handle), kvo_status::Ok);
-            Self {
-                handle,
-                key_len: cfg.key_len,
-                idx: vec![],
-                slots: vec![],
-                evicted: vec![],
-                done: vec![],
-            }
+        let c = ffi::kvo_manager_config {
+            struct_size: size_of::<ffi::kvo_manager_config>(),
+            key_len: cfg.key_len.try_into().expect("key_len fits the C field"),
+            policy: match cfg.policy {
+                Policy::Lru => kvo_policy::Lru,
+                Policy::Arc => kvo_policy::Arc,
+            } as u32,
+            num_slots: cfg.num_slots as u64,
+            store_threshold: cfg.store_threshold,
+            enable_events: cfg.enable_events.into(),
+            max_tracker_size: cfg.max_tracker_size as u64,
+        };
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: a valid config and out-pointer; the handle is freed in Drop.
+        assert_eq!(
+            unsafe { ffi::kvo_manager_new(&c, &mut handle) },
+            kvo_status::Ok
+        );
+        Self {
+            handle,
+            key_len: cfg.key_len,
+            idx: vec![],
+            slots: vec![],
+            evicted: vec![],
+            done: vec![],
         }
     }
 

@@ -1,0 +1,51 @@
+//! `kvo-replay` on the Mooncake traces of `../shared/traces` (not part of the repository: these
+//! tests are ignored by default and fail when the traces are missing; `.ci/run` runs them with
+//! `--ignored` where the traces exist): with no GPU cache and factor 1 (the sweep's sequential
+//! model) the LRU hit rate equals the plain LRU prefix cache at every capacity, and with room for
+//! every block every policy reaches the trace's maximum (leading blocks already seen).
+
+mod common;
+
+use common::*;
+use std::path::PathBuf;
+
+fn trace(name: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/traces")
+        .join(name);
+    assert!(
+        p.exists(),
+        "{} is missing (the traces are not part of the repository)",
+        p.display()
+    );
+    p
+}
+
+fn check(name: &str) {
+    let path = trace(name);
+    let r = kvo_json(&[
+        "--trace",
+        path.to_str().unwrap(),
+        "--policy",
+        "all",
+        "--sweep",
+        "--gpu-blocks",
+        "0",
+        "--max-batch",
+        "1024",
+    ]);
+    check_sweep(&r, &read_trace(&path), 512);
+    eprintln!("{name}: {}", r["sweep"]);
+}
+
+#[test]
+#[ignore = "reads ../shared/traces (not in the repository); run with --ignored"]
+fn conversation_trace() {
+    check("conversation_trace.jsonl");
+}
+
+#[test]
+#[ignore = "reads ../shared/traces (not in the repository); run with --ignored"]
+fn synthetic_trace() {
+    check("synthetic_trace.jsonl");
+}
