@@ -405,16 +405,23 @@ fn abort_while_loading_fences_the_loads_blocks() {
     assert_eq!((t.s.stats().requests, t.s.stats().manager.pinned), (1, 0));
 }
 
-/// A load not yet in a step when its request is aborted never ships: nothing has touched its
-/// blocks, so it is withdrawn (keys unpinned) and the host may reuse the blocks at once.
-#[test]
-fn abort_before_the_load_ships_withdraws_it() {
+/// Request 1's chunk is stored; request 2 hits it and its load into GPU blocks 5..9 is made
+/// (not yet in a step). Returns the load's id.
+fn loading_request() -> (T, u64) {
     let mut t = T::new(cfg());
     let s = t.prefill(1, 3, 12, 0);
     t.complete(&[s], true);
     t.add(2, 3, 13);
     assert_eq!(t.matched(2, 0), Match::Hit(12));
     let load = t.s.on_alloc(2, &blocks(5, 9), 12).unwrap().unwrap();
+    (t, load)
+}
+
+/// A load not yet in a step when its request is aborted never ships: nothing has touched its
+/// blocks, so it is withdrawn (keys unpinned) and the host may reuse the blocks at once.
+#[test]
+fn abort_before_the_load_ships_withdraws_it() {
+    let (mut t, load) = loading_request();
     t.s.finish_request(2).unwrap();
     assert!(t.s.fence.is_empty());
     let st = t.s.stats();
@@ -437,12 +444,7 @@ fn abort_before_the_load_ships_withdraws_it() {
 /// shipped yet is withdrawn, and the request can match again at once.
 #[test]
 fn preempting_a_loading_request_flushes_or_withdraws_its_load() {
-    let mut t = T::new(cfg());
-    let s = t.prefill(1, 3, 12, 0);
-    t.complete(&[s], true);
-    t.add(2, 3, 13);
-    assert_eq!(t.matched(2, 0), Match::Hit(12));
-    let shipped = t.s.on_alloc(2, &blocks(5, 9), 12).unwrap().unwrap();
+    let (mut t, shipped) = loading_request();
     t.step(&[], &[]);
     let st = t.step(&[], &[2]);
     assert_eq!(st.flush(), &[shipped]);
@@ -466,12 +468,7 @@ fn preempting_a_loading_request_flushes_or_withdraws_its_load() {
 /// preemption: those jobs are fenced like an aborted request's.
 #[test]
 fn rematch_and_resume_release_blocks_to_the_fence() {
-    let mut t = T::new(cfg());
-    let s = t.prefill(1, 3, 12, 0);
-    t.complete(&[s], true);
-    t.add(2, 3, 13);
-    assert_eq!(t.matched(2, 0), Match::Hit(12));
-    let load = t.s.on_alloc(2, &blocks(5, 9), 12).unwrap().unwrap();
+    let (mut t, load) = loading_request();
     t.step(&[], &[]);
     assert_eq!(t.matched(2, 0), Match::Defer(DeferReason::JobsInFlight));
     assert_eq!(t.s.fence.len(), 3);
