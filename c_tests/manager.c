@@ -365,7 +365,7 @@ static void test_lru_example(void) {
             CHECK(ev[i].removed == removed[i]);
             CHECK(ev[i].first_key == first[i]);
             CHECK(ev[i].n_keys == count[i]);
-            CHECK(ev[i].reserved == 0);
+            CHECK(ev[i].metadata_only == 0);
         }
         CHECK_KEYS(ev_keys, nk, 1, 2, 1, 3, 4, 5, 4, 5, 2, 6, 7, 8, 8);
     }

@@ -170,6 +170,33 @@ typedef uint32_t kvo_policy;
 #endif // __cplusplus
 
 /**
+ * Which vLLM release's semantics a manager or scheduler follows (see the README's table of
+ * differences).
+ */
+enum kvo_semantics
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * vLLM 0.24, bit for bit (the default).
+   */
+  KVO_SEMANTICS_VLLM_0_24 = 0,
+  /**
+   * vLLM 0.33: request-scoped recency committed at request finish, tails evicted before
+   * heads, ARC's T1 fallback, the store threshold counting offers.
+   */
+  KVO_SEMANTICS_VLLM_0_33 = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvo_semantics kvo_semantics;
+#else
+typedef uint32_t kvo_semantics;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * Answers of `kvo_manager_lookup`.
  */
 enum kvo_lookup
@@ -186,9 +213,13 @@ enum kvo_lookup
    */
   KVO_LOOKUP_HIT = 1,
   /**
-   * Its store is in flight: ask again later.
+   * Its store is in flight: ask again later (`KVO_SEMANTICS_VLLM_0_24`).
    */
   KVO_LOOKUP_RETRY = 2,
+  /**
+   * Its store is in flight (`KVO_SEMANTICS_VLLM_0_33`).
+   */
+  KVO_LOOKUP_HIT_PENDING = 3,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -365,6 +396,11 @@ typedef struct kvo_manager_config {
    * Keys the store-threshold filter tracks, >= 1 (default 64000).
    */
   uint64_t max_tracker_size;
+  /**
+   * A `kvo_semantics` value (default `KVO_SEMANTICS_VLLM_0_24`). A caller built against a
+   * header without this field passes the shorter `struct_size` and gets the default.
+   */
+  uint32_t semantics;
 } kvo_manager_config;
 
 /**
@@ -381,13 +417,14 @@ typedef struct kvo_event {
    */
   uint64_t n_keys;
   /**
-   * 1: the keys were evicted; 0: the keys became ready (stored).
+   * 1: the keys were evicted (or their store failed); 0: the keys became ready (stored).
    */
   uint32_t removed;
   /**
-   * Zero.
+   * 1: a removal of keys whose store failed, which never became readable
+   * (`KVO_SEMANTICS_VLLM_0_33` only); 0 otherwise.
    */
-  uint32_t reserved;
+  uint32_t metadata_only;
 } kvo_event;
 
 /**
@@ -509,6 +546,11 @@ typedef struct kvo_scheduler_config {
    * Keys the store-threshold filter tracks, >= 1 (default 64000).
    */
   uint64_t max_tracker_size;
+  /**
+   * A `kvo_semantics` value (default `KVO_SEMANTICS_VLLM_0_24`). A caller built against a
+   * header without this field passes the shorter `struct_size` and gets the default.
+   */
+  uint32_t semantics;
 } kvo_scheduler_config;
 
 /**

@@ -371,7 +371,7 @@ impl Model {
         for &k in keys {
             match self.lookup(k) {
                 Lookup::Miss => break,
-                Lookup::Retry => out.retry = true,
+                Lookup::Retry | Lookup::HitPending => out.retry = true,
                 Lookup::Hit => {}
             }
             out.hits += 1;
@@ -799,6 +799,7 @@ impl Harness {
             store_threshold: setup.threshold,
             max_tracker_size: setup.max_tracker,
             enable_events: true,
+            ..Default::default()
         })
         .unwrap();
         let model = Model::new(setup.cap, setup.policy, setup.threshold, setup.max_tracker);
@@ -1213,6 +1214,7 @@ fn threshold_filtered_input_key_is_protected() {
             store_threshold: 2,
             max_tracker_size: 2,
             enable_events: true,
+            ..Default::default()
         })
         .unwrap();
         let look = |m: &mut Manager, k: u64| m.lookup(&enc(&[k])).unwrap();

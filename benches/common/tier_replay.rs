@@ -8,8 +8,8 @@
 
 #![allow(dead_code)]
 
-use kvoffload::ffi::{self, kvo_policy, kvo_status};
-use kvoffload::manager::{Manager, ManagerConfig, ManagerStats, Policy, StorePlan};
+use kvoffload::ffi::{self, kvo_policy, kvo_semantics, kvo_status};
+use kvoffload::manager::{Manager, ManagerConfig, ManagerStats, Policy, Semantics, StorePlan};
 use kvoffload::{Error, Result};
 use std::path::Path;
 
@@ -214,6 +214,10 @@ impl FfiTier {
             store_threshold: cfg.store_threshold,
             enable_events: cfg.enable_events.into(),
             max_tracker_size: cfg.max_tracker_size as u64,
+            semantics: match cfg.semantics {
+                Semantics::Vllm024 => kvo_semantics::VLLM_0_24,
+                Semantics::Vllm033 => kvo_semantics::VLLM_0_33,
+            } as u32,
         };
         let mut handle = std::ptr::null_mut();
         // SAFETY: a valid config and out-pointer; the handle is freed in Drop.

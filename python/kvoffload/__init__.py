@@ -40,13 +40,24 @@ from ._ffi import (
     Lookup,
     NoRoomError,
     Policy,
+    Semantics,
     lib,
     lib_path,
     library_path,
     version,
 )
 from ._buffers import IdsLike, IdsOut, Keys, KeysLike, keys_arg, u32_arg, u32_out, u32_zeros
-from ._common import _take_events, _MAX_U32, _Handle, _MAX_U64, _POLICIES, Event, ManagerStats, _uint
+from ._common import (
+    _take_events,
+    _MAX_U32,
+    _Handle,
+    _MAX_U64,
+    _POLICIES,
+    Event,
+    ManagerStats,
+    _semantics,
+    _uint,
+)
 from ._scheduler import (
     Job,
     JobReport,
@@ -181,8 +192,10 @@ class Manager(_Handle):
         store_threshold=None,
         max_tracker_size=None,
         enable_events=False,
+        semantics=None,
     ):
-        # None keeps the library's default (``kvo_manager_config_default``).
+        # None keeps the library's default (``kvo_manager_config_default``). ``semantics``:
+        # "0.24" or "0.33" (or a ``Semantics``), the vLLM release the manager follows.
         if isinstance(policy, str):
             try:
                 policy = _POLICIES[policy.lower()]
@@ -202,12 +215,15 @@ class Manager(_Handle):
         if max_tracker_size is not None:
             cfg.max_tracker_size = _uint("max_tracker_size", max_tracker_size, _MAX_U64)
         cfg.enable_events = 1 if enable_events else 0
+        if semantics is not None:
+            cfg.semantics = _semantics(semantics)
         ptr = ctypes.POINTER(_ffi._Manager)()
         lib.kvo_manager_new(ctypes.byref(cfg), ctypes.byref(ptr))
         self._own(ptr, lib.kvo_manager_free)
         self.key_len = cfg.key_len
         self.num_slots = cfg.num_slots
         self.policy = Policy(policy)
+        self.semantics = Semantics(cfg.semantics)
         self._no_keys = Keys(b"", self.key_len)
 
     def __repr__(self):

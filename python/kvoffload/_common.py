@@ -7,7 +7,7 @@ from typing import List, NamedTuple
 
 from . import _ffi
 from ._buffers import Keys
-from ._ffi import BufferTooSmallError, Policy
+from ._ffi import BufferTooSmallError, Policy, Semantics
 
 _MAX_U32 = 2**32 - 1
 _MAX_U64 = 2**64 - 1
@@ -30,6 +30,25 @@ def _uint(name, value, maximum):
     return value
 
 
+_SEMANTICS = {"0.24": Semantics.VLLM_0_24, "0.33": Semantics.VLLM_0_33}
+
+
+def _semantics(semantics):
+    """A semantics name ("0.24", "0.33") or number as an int; unknown numbers are left to the
+    library to refuse."""
+    if isinstance(semantics, str):
+        try:
+            name = semantics.lower().removeprefix("vllm").strip("_ -").replace("_", ".")
+            return _SEMANTICS[name]
+        except KeyError:
+            raise ValueError(
+                f"semantics: {semantics!r} is not one of {sorted(_SEMANTICS)}"
+            ) from None
+    return _uint(
+        "semantics", int(semantics) if isinstance(semantics, Semantics) else semantics, _MAX_U32
+    )
+
+
 def _policy(policy):
     """A policy name ("lru", "arc") or number as an int; unknown numbers are left to the
     library to refuse."""
@@ -43,11 +62,13 @@ def _policy(policy):
 
 class Event(NamedTuple):
     """One event of :meth:`Manager.take_events` / :meth:`Scheduler.take_events`: ``removed``
-    True for evicted keys, False for keys that became ready (stored); ``keys`` as
-    :class:`Keys` (equal to the list of them)."""
+    True for evicted keys (or keys whose store failed), False for keys that became ready
+    (stored); ``keys`` as :class:`Keys` (equal to the list of them); ``metadata_only`` True
+    for a removal of keys whose store failed (vLLM 0.33 semantics only)."""
 
     removed: bool
     keys: Keys
+    metadata_only: bool = False
 
 
 class _Stats:
@@ -169,6 +190,6 @@ def _take_events(take, handle, key_len) -> List[Event]:
     raw = bytes(keys)
     return [
         Event(e.removed != 0, Keys(raw[e.first_key * key_len : (e.first_key + e.n_keys) * key_len],
-                                   key_len))
+                                   key_len), e.metadata_only != 0)
         for e in events[: n_events.value]
     ]

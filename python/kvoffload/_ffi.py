@@ -23,6 +23,7 @@ __all__ = [
     "KVO_MAX_KEY_LEN",
     "Status",
     "Policy",
+    "Semantics",
     "Lookup",
     "Match",
     "DeferReason",
@@ -90,12 +91,20 @@ class Policy(enum.IntEnum):
     ARC = 1
 
 
+class Semantics(enum.IntEnum):
+    """``enum kvo_semantics``: the vLLM release whose semantics a manager or scheduler follows."""
+
+    VLLM_0_24 = 0
+    VLLM_0_33 = 1
+
+
 class Lookup(enum.IntEnum):
     """``enum kvo_lookup``: the answer of ``Manager.lookup``."""
 
     MISS = 0
     HIT = 1
     RETRY = 2
+    HIT_PENDING = 3
 
     def __str__(self):
         return self.name.lower()
@@ -143,6 +152,7 @@ KVO_SIZE_BUCKETS = 11
 ENUMS = (
     (Status, "KVO_STATUS_"),
     (Policy, "KVO_POLICY_"),
+    (Semantics, "KVO_SEMANTICS_"),
     (Lookup, "KVO_LOOKUP_"),
     (Match, "KVO_MATCH_"),
     (DeferReason, "KVO_DEFER_REASON_"),
@@ -286,6 +296,7 @@ class kvo_manager_config(ctypes.Structure):
         ("store_threshold", c_uint32),
         ("enable_events", c_uint32),
         ("max_tracker_size", c_uint64),
+        ("semantics", c_uint32),
     ]
 
 
@@ -294,7 +305,7 @@ class kvo_event(ctypes.Structure):
         ("first_key", c_uint64),
         ("n_keys", c_uint64),
         ("removed", c_uint32),
-        ("reserved", c_uint32),
+        ("metadata_only", c_uint32),
     ]
 
 
@@ -336,6 +347,7 @@ class kvo_scheduler_config(ctypes.Structure):
         ("store_threshold", c_uint32),
         ("enable_events", c_uint32),
         ("max_tracker_size", c_uint64),
+        ("semantics", c_uint32),
     ]
 
 

@@ -30,7 +30,18 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Union
 
 from . import _ffi, _metrics
 from ._buffers import IdsLike, KeysLike, keys_arg, u32_arg, u64_arg
-from ._common import _take_events, _MAX_U32, _MAX_U64, Event, ManagerStats, _Handle, _Stats, _policy, _uint
+from ._common import (
+    _take_events,
+    _MAX_U32,
+    _MAX_U64,
+    Event,
+    ManagerStats,
+    _Handle,
+    _Stats,
+    _policy,
+    _semantics,
+    _uint,
+)
 from ._ffi import (
     KVO_NO_LIMIT,
     BufferTooSmallError,
@@ -38,6 +49,7 @@ from ._ffi import (
     JobKind,
     Match,
     Policy,
+    Semantics,
     lib,
 )
 
@@ -358,8 +370,10 @@ class Scheduler(_Handle):
         store_threshold=None,
         max_tracker_size=None,
         enable_events=False,
+        semantics=None,
     ):
-        # None keeps the library's default (``kvo_scheduler_config_default``).
+        # None keeps the library's default (``kvo_scheduler_config_default``). ``semantics``:
+        # "0.24" or "0.33" (or a ``Semantics``), the vLLM release the scheduler follows.
         cfg = _ffi.kvo_scheduler_config()
         lib.kvo_scheduler_config_default(ctypes.byref(cfg))
         cfg.num_slots = _uint("num_slots", num_slots, _MAX_U64)
@@ -380,6 +394,8 @@ class Scheduler(_Handle):
         if max_tracker_size is not None:
             cfg.max_tracker_size = _uint("max_tracker_size", max_tracker_size, _MAX_U64)
         cfg.enable_events = _flag("enable_events", enable_events)
+        if semantics is not None:
+            cfg.semantics = _semantics(semantics)
         ptr = ctypes.POINTER(_ffi._Scheduler)()
         lib.kvo_scheduler_new(ctypes.byref(cfg), ctypes.byref(ptr))
         self._own(ptr, lib.kvo_scheduler_free)
@@ -388,6 +404,7 @@ class Scheduler(_Handle):
         self.gpu_block_size = cfg.gpu_block_size
         self.block_size_factor = cfg.block_size_factor
         self.policy = Policy(cfg.policy)
+        self.semantics = Semantics(cfg.semantics)
         self.num_workers = cfg.num_workers
         self.offload_prompt_only = bool(cfg.offload_prompt_only)
 

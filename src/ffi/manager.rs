@@ -5,7 +5,7 @@ use super::{
     Failure, FfiResult, copy_events, free_handle, give, guard, handle, kvo_status, lock, non_null,
     read_config, slice, slice_mut, write, write_sized,
 };
-use crate::manager::{Lookup, Manager, ManagerConfig, ManagerStats, Policy};
+use crate::manager::{Lookup, Manager, ManagerConfig, ManagerStats, Policy, Semantics};
 use std::ffi::c_char;
 use std::sync::Mutex;
 
@@ -19,6 +19,19 @@ pub enum kvo_policy {
     Arc = 1,
 }
 
+/// Which vLLM release's semantics a manager or scheduler follows (see the README's table of
+/// differences).
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub enum kvo_semantics {
+    /// vLLM 0.24, bit for bit (the default).
+    VLLM_0_24 = 0,
+    /// vLLM 0.33: request-scoped recency committed at request finish, tails evicted before
+    /// heads, ARC's T1 fallback, the store threshold counting offers.
+    VLLM_0_33 = 1,
+}
+
 /// Answers of `kvo_manager_lookup`.
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,8 +40,10 @@ pub enum kvo_lookup {
     Miss = 0,
     /// Stored and ready to load.
     Hit = 1,
-    /// Its store is in flight: ask again later.
+    /// Its store is in flight: ask again later (`KVO_SEMANTICS_VLLM_0_24`).
     Retry = 2,
+    /// Its store is in flight (`KVO_SEMANTICS_VLLM_0_33`).
+    HitPending = 3,
 }
 
 /// Configuration of a manager. Fill it with `kvo_manager_config_default`, then change fields.
@@ -51,6 +66,9 @@ pub struct kvo_manager_config {
     pub enable_events: u32,
     /// Keys the store-threshold filter tracks, >= 1 (default 64000).
     pub max_tracker_size: u64,
+    /// A `kvo_semantics` value (default `KVO_SEMANTICS_VLLM_0_24`). A caller built against a
+    /// header without this field passes the shorter `struct_size` and gets the default.
+    pub semantics: u32,
 }
 
 /// Counters and gauges of a manager. Set `struct_size` before `kvo_manager_get_stats`.
@@ -112,10 +130,11 @@ pub struct kvo_event {
     pub first_key: u64,
     /// Number of keys.
     pub n_keys: u64,
-    /// 1: the keys were evicted; 0: the keys became ready (stored).
+    /// 1: the keys were evicted (or their store failed); 0: the keys became ready (stored).
     pub removed: u32,
-    /// Zero.
-    pub reserved: u32,
+    /// 1: a removal of keys whose store failed, which never became readable
+    /// (`KVO_SEMANTICS_VLLM_0_33` only); 0 otherwise.
+    pub metadata_only: u32,
 }
 
 /// An offload tier index: keys, host slots, eviction. Opaque.
@@ -142,24 +161,36 @@ const MANAGER: &str = "manager";
 pub unsafe extern "C" fn kvo_manager_config_default(out: *mut kvo_manager_config) -> kvo_status {
     guard(|| {
         non_null(out, "out")?;
-        let d = ManagerConfig::default();
         // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
-        unsafe {
-            write(
-                out,
-                kvo_manager_config {
-                    struct_size: size_of::<kvo_manager_config>(),
-                    key_len: d.key_len as u32,
-                    policy: kvo_policy::Lru as u32,
-                    num_slots: d.num_slots as u64,
-                    store_threshold: d.store_threshold,
-                    enable_events: d.enable_events as u32,
-                    max_tracker_size: d.max_tracker_size as u64,
-                },
-            )
-        };
+        unsafe { write(out, default_manager_config()) };
         Ok(())
     })
+}
+
+/// The library's default manager configuration, as C sees it.
+fn default_manager_config() -> kvo_manager_config {
+    let d = ManagerConfig::default();
+    kvo_manager_config {
+        struct_size: size_of::<kvo_manager_config>(),
+        key_len: d.key_len as u32,
+        policy: kvo_policy::Lru as u32,
+        num_slots: d.num_slots as u64,
+        store_threshold: d.store_threshold,
+        enable_events: d.enable_events as u32,
+        max_tracker_size: d.max_tracker_size as u64,
+        semantics: kvo_semantics::VLLM_0_24 as u32,
+    }
+}
+
+/// A `kvo_semantics` value from C (`what` names the field).
+pub(crate) fn semantics_from(v: u32, what: &str) -> Result<Semantics, Failure> {
+    match v {
+        0 => Ok(Semantics::Vllm024),
+        1 => Ok(Semantics::Vllm033),
+        v => Err(Failure::invalid(format!(
+            "{what}: {v} is not a kvo_semantics"
+        ))),
+    }
 }
 
 /// A `kvo_policy` value from C.
@@ -184,6 +215,7 @@ fn to_config(c: &kvo_manager_config) -> Result<ManagerConfig, Failure> {
         store_threshold: c.store_threshold,
         max_tracker_size: usize::try_from(c.max_tracker_size).unwrap_or(usize::MAX),
         enable_events: c.enable_events != 0,
+        semantics: semantics_from(c.semantics, "cfg->semantics")?,
     })
 }
 
@@ -205,7 +237,14 @@ pub unsafe extern "C" fn kvo_manager_new(
 ) -> kvo_status {
     guard(|| {
         // SAFETY: forwarded from the caller.
-        let c = unsafe { read_config(cfg, "cfg") }?;
+        let c = unsafe {
+            read_config(
+                cfg,
+                "cfg",
+                &[std::mem::offset_of!(kvo_manager_config, semantics)],
+                default_manager_config,
+            )
+        }?;
         non_null(out, "out")?;
         let m = Manager::new(to_config(&c)?).map_err(Failure::of_config)?;
         // SAFETY: `out`, checked non-NULL above, is writable (the contract).
@@ -280,6 +319,7 @@ pub unsafe extern "C" fn kvo_manager_lookup(
                     Lookup::Miss => kvo_lookup::Miss,
                     Lookup::Hit => kvo_lookup::Hit,
                     Lookup::Retry => kvo_lookup::Retry,
+                    Lookup::HitPending => kvo_lookup::HitPending,
                 };
                 write(out_result, r as u32);
                 Ok(())
@@ -533,7 +573,7 @@ pub unsafe extern "C" fn kvo_manager_take_events(
         // SAFETY: forwarded from the caller.
         unsafe {
             copy_events(
-                mgr.events(),
+                &mgr.events(),
                 kl,
                 out_events,
                 events_cap,

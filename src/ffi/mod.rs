@@ -226,22 +226,36 @@ pub(crate) fn non_null<T>(p: *const T, name: &str) -> FfiResult {
     }
 }
 
-/// Reads a versioned config struct whose first field is `size_t struct_size`.
+/// Reads a versioned config struct whose first field is `size_t struct_size`: the whole struct
+/// when `struct_size >= sizeof(T)`, or, when `struct_size` is one of the `older` sizes (the
+/// struct before fields were appended), that many bytes over `defaults()`.
 ///
 /// # Safety
 /// `p` is NULL or points to at least `struct_size` readable bytes.
-pub(crate) unsafe fn read_config<T: Copy>(p: *const T, name: &str) -> Result<T, Failure> {
+pub(crate) unsafe fn read_config<T: Copy>(
+    p: *const T,
+    name: &str,
+    older: &[usize],
+    defaults: impl FnOnce() -> T,
+) -> Result<T, Failure> {
     non_null(p, name)?;
     // SAFETY: non-NULL; every config starts with a size_t.
-    let size = unsafe { *(p as *const usize) };
-    if size < size_of::<T>() {
+    let size = unsafe { (p as *const usize).read_unaligned() };
+    if size >= size_of::<T>() {
+        // SAFETY: at least size_of::<T>() bytes are readable.
+        return Ok(unsafe { p.read_unaligned() });
+    }
+    if !older.contains(&size) {
         return Err(Failure::invalid(format!(
             "{name}->struct_size: {size} is smaller than {} (set it to sizeof the struct)",
             size_of::<T>()
         )));
     }
-    // SAFETY: at least size_of::<T>() bytes are readable.
-    Ok(unsafe { p.read_unaligned() })
+    let mut out = defaults();
+    // SAFETY: `size` bytes are readable at `p` and `size < size_of::<T>()` fit in `out`; an
+    // older struct is a prefix of the current one, so the bytes form valid fields.
+    unsafe { std::ptr::copy_nonoverlapping(p as *const u8, &mut out as *mut T as *mut u8, size) };
+    Ok(out)
 }
 
 /// Writes `value` to a caller struct whose first field is `size_t struct_size` (set by the
@@ -315,7 +329,7 @@ pub(crate) unsafe fn copy_events(
             first_key: first,
             n_keys: n,
             removed: e.removed as u32,
-            reserved: 0,
+            metadata_only: e.metadata_only as u32,
         };
         first += n;
     }

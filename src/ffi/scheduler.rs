@@ -1,6 +1,6 @@
 //! `kvo_scheduler_*`: the connector scheduler ([`crate::scheduler::Scheduler`]) behind a C handle.
 
-use super::manager::policy_from;
+use super::manager::{policy_from, semantics_from};
 use super::metrics::{kvo_label, naming, write_text};
 use super::{
     Failure, copy_events, free_handle, give, guard, handle, kvo_event, kvo_manager_stats,
@@ -68,6 +68,9 @@ pub struct kvo_scheduler_config {
     pub enable_events: u32,
     /// Keys the store-threshold filter tracks, >= 1 (default 64000).
     pub max_tracker_size: u64,
+    /// A `kvo_semantics` value (default `KVO_SEMANTICS_VLLM_0_24`). A caller built against a
+    /// header without this field passes the shorter `struct_size` and gets the default.
+    pub semantics: u32,
 }
 
 /// The answer of `kvo_scheduler_match`.
@@ -188,28 +191,29 @@ pub unsafe extern "C" fn kvo_scheduler_config_default(
 ) -> kvo_status {
     guard(|| {
         non_null(out, "out")?;
-        let d = SchedulerConfig::default();
         // SAFETY: the out-pointer, checked non-NULL above, is writable (the contract).
-        unsafe {
-            write(
-                out,
-                kvo_scheduler_config {
-                    struct_size: size_of::<kvo_scheduler_config>(),
-                    key_len: d.key_len as u32,
-                    gpu_block_size: d.gpu_block_size,
-                    block_size_factor: d.block_size_factor,
-                    policy: 0,
-                    num_slots: d.num_slots as u64,
-                    num_workers: d.num_workers,
-                    offload_prompt_only: d.offload_prompt_only as u32,
-                    store_threshold: d.store_threshold,
-                    enable_events: d.enable_events as u32,
-                    max_tracker_size: d.max_tracker_size as u64,
-                },
-            )
-        };
+        unsafe { write(out, default_scheduler_config()) };
         Ok(())
     })
+}
+
+/// The library's default scheduler configuration, as C sees it.
+fn default_scheduler_config() -> kvo_scheduler_config {
+    let d = SchedulerConfig::default();
+    kvo_scheduler_config {
+        struct_size: size_of::<kvo_scheduler_config>(),
+        key_len: d.key_len as u32,
+        gpu_block_size: d.gpu_block_size,
+        block_size_factor: d.block_size_factor,
+        policy: 0,
+        num_slots: d.num_slots as u64,
+        num_workers: d.num_workers,
+        offload_prompt_only: d.offload_prompt_only as u32,
+        store_threshold: d.store_threshold,
+        enable_events: d.enable_events as u32,
+        max_tracker_size: d.max_tracker_size as u64,
+        semantics: 0,
+    }
 }
 
 fn to_config(c: &kvo_scheduler_config) -> Result<SchedulerConfig, Failure> {
@@ -227,6 +231,7 @@ fn to_config(c: &kvo_scheduler_config) -> Result<SchedulerConfig, Failure> {
         store_threshold: c.store_threshold,
         max_tracker_size: usize::try_from(c.max_tracker_size).unwrap_or(usize::MAX),
         enable_events: c.enable_events != 0,
+        semantics: semantics_from(c.semantics, "cfg->semantics")?,
     })
 }
 
@@ -248,7 +253,14 @@ pub unsafe extern "C" fn kvo_scheduler_new(
 ) -> kvo_status {
     guard(|| {
         // SAFETY: forwarded from the caller.
-        let c = unsafe { read_config(cfg, "cfg") }?;
+        let c = unsafe {
+            read_config(
+                cfg,
+                "cfg",
+                &[std::mem::offset_of!(kvo_scheduler_config, semantics)],
+                default_scheduler_config,
+            )
+        }?;
         non_null(out, "out")?;
         let s = Scheduler::new(to_config(&c)?).map_err(Failure::of_config)?;
         // SAFETY: `out`, checked non-NULL above, is writable (the contract).
@@ -705,7 +717,7 @@ pub unsafe extern "C" fn kvo_scheduler_take_events(
         // SAFETY: forwarded from the caller.
         unsafe {
             copy_events(
-                sc.manager().events(),
+                &sc.manager().events(),
                 kl,
                 out_events,
                 events_cap,

@@ -226,7 +226,7 @@ pub unsafe extern "C" fn kvo_worker_new(
 ) -> kvo_status {
     guard(|| {
         // SAFETY: forwarded from the caller.
-        let c = unsafe { read_config(cfg, "cfg") }?;
+        let c = unsafe { read_config(cfg, "cfg", &[], || unreachable!("no older size")) }?;
         non_null(out, "out")?;
         // SAFETY: forwarded from the caller.
         let ts = unsafe { slice(tensors, n_tensors, "tensors") }?;

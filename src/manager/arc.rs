@@ -1,10 +1,14 @@
-//! ARC policy (vLLM 0.24 `ARCCachePolicy`), with its exact target arithmetic and its eviction
-//! quirk: recent list T1 and frequent list T2 hold every stored slot (LRU first); ghost lists
-//! B1 and B2 remember evicted keys, each trimmed to the capacity.
+//! ARC policy (vLLM 0.24 and 0.33 `ARCCachePolicy`), with its exact target arithmetic: recent
+//! list T1 and frequent list T2 hold every stored slot (LRU first); ghost lists B1 and B2
+//! remember evicted keys, each trimmed to the capacity. 0.24's eviction never scans T1 while
+//! T1 is below the target, even when T2 has no candidate; 0.33's then falls back to T1, and
+//! 0.33 also adapts the target on store misses of ghost keys and promotes a request's reused
+//! keys when it finishes.
 
 use super::keys::{KeyTable, key_eq};
 use super::list::{Links, List};
 use super::policy::{EvictionPolicy, NewKey};
+use super::record::{INSERTED, REUSED};
 use super::{NO_ID, SlotState};
 
 /// List tags of an entry: none, the stored lists T1/T2, the ghost lists B1/B2 (a ghost's list
@@ -81,6 +85,8 @@ pub(crate) struct ArcPolicy {
     /// Entries freed by trims and removals (reused first), and how many were ever handed out.
     free: Vec<u32>,
     used: u32,
+    /// vLLM 0.33: eviction takes from T1 when T2 has no candidate left.
+    pub(super) fallback_to_t1: bool,
 }
 
 /// T1/T2 slots and B1/B2 keys (LRU first) and the target.
@@ -190,7 +196,7 @@ impl ArcPolicy {
     }
 
     /// Appends to `out` the first `n` eligible slots of the stored entries from `from` on (LRU
-    /// first); returns how many it found.
+    /// first); returns how many it found and the entry after the last one it examined.
     #[inline]
     fn take(
         &self,
@@ -198,7 +204,7 @@ impl ArcPolicy {
         n: usize,
         eligible: impl Fn(u32) -> bool,
         out: &mut Vec<u32>,
-    ) -> usize {
+    ) -> (usize, u32) {
         let (mut c, mut found) = (from, 0);
         while found < n && c != NO_ID {
             let s = self.links.data(c).slot;
@@ -208,7 +214,13 @@ impl ArcPolicy {
                 found += 1;
             }
         }
-        found
+        (found, c)
+    }
+
+    /// The stored entry of manager id `id`, if it is a slot.
+    #[inline]
+    fn stored_entry(id: u32, slots: &[SlotState]) -> Option<u32> {
+        slots.get(id as usize).map(|st| st.entry)
     }
 
     /// Forgets the oldest ghosts of pair `k` beyond the capacity (they are the first entries of
@@ -293,6 +305,7 @@ impl EvictionPolicy for ArcPolicy {
             pairs: [Pair::default(); 2],
             free: Vec::new(),
             used: 0,
+            fallback_to_t1: false,
         })
     }
 
@@ -316,7 +329,7 @@ impl EvictionPolicy for ArcPolicy {
     /// a ghost that still holds the key is revived (it leaves its ghost list), else the key is
     /// added.
     #[inline]
-    fn insert(&mut self, new: NewKey<'_>, keys: &mut KeyTable) -> u32 {
+    fn insert(&mut self, new: NewKey<'_>, keys: &mut KeyTable, _rank: &mut u32) -> u32 {
         let e = match self.ghost(new.id) {
             Some(e) if key_eq(keys.key(e), new.key) => {
                 keys.note_change();
@@ -355,19 +368,57 @@ impl EvictionPolicy for ArcPolicy {
         }
     }
 
-    /// vLLM's rule: while the simulated T1 size is below `int(target)`, T1 is not scanned at
-    /// all (the quirk).
+    /// vLLM's rule: while the simulated T1 size is below `int(target)`, T1 is not scanned
+    /// (0.24: at all; 0.33: until T2 has no candidate left).
     #[inline]
     fn pick_victims(&self, n: usize, slots: &[SlotState], epoch: u32, out: &mut Vec<u32>) -> bool {
         let eligible = |s: u32| slots[s as usize].is_evictable(epoch);
         // The simulated T1 size starts at T1's and drops with each T1 pick, so T1 gives the
         // first picks (up to its size minus the target, plus one) until it has no eligible
-        // slot left, and T2 gives the rest.
+        // slot left, and T2 gives the rest; 0.33 then continues T1's scan where it stopped.
         let (t1, target) = (self.pairs[0].stored, self.target as usize);
         let t1_picks = if t1 >= target { t1 - target + 1 } else { 0 };
-        let from_t1 = self.take(self.pairs[0].stored_head, n.min(t1_picks), eligible, out);
+        let (from_t1, t1_cursor) =
+            self.take(self.pairs[0].stored_head, n.min(t1_picks), eligible, out);
         let rest = n - from_t1;
-        self.take(self.pairs[1].stored_head, rest, eligible, out) == rest
+        let (from_t2, _) = self.take(self.pairs[1].stored_head, rest, eligible, out);
+        let rest = rest - from_t2;
+        if rest == 0 {
+            return true;
+        }
+        // A T1 scan that stopped because T1 had no eligible entry left stays exhausted.
+        self.fallback_to_t1 && from_t1 == n.min(t1_picks) && {
+            self.take(t1_cursor, rest, eligible, out).0 == rest
+        }
+    }
+
+    /// Ghost adaptation for each key in reverse order (a ghost adapts the target and becomes
+    /// the most recent of its list).
+    fn on_store_miss(&mut self, ids: &[u32]) {
+        for &id in ids.iter().rev() {
+            self.touch_ghost(id);
+        }
+    }
+
+    /// Walking the keys tail to head: a key the request only inserted becomes the most recent
+    /// of its list; a reused key in T1 is promoted to T2's MRU end, one in T2 becomes its MRU.
+    fn on_request_finished(&mut self, ids: &[u32], flags: &[u8], slots: &[SlotState], _rank: u32) {
+        for (&id, &f) in ids.iter().zip(flags).rev() {
+            let Some(e) = Self::stored_entry(id, slots) else {
+                continue;
+            };
+            let tag = self.links.data(e).tag;
+            if f & INSERTED != 0 && f & REUSED == 0 {
+                self.make_most_recent(pair(tag), e, false);
+            } else if f & REUSED != 0 {
+                if tag == T1 {
+                    self.unlink(e);
+                    self.push_stored(1, e, T2);
+                } else {
+                    self.make_most_recent(1, e, false);
+                }
+            }
+        }
     }
 
     /// Each victim's entry becomes the most recent ghost of its pair (T1→B1, T2→B2) and loses

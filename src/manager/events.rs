@@ -11,8 +11,8 @@ pub const MIN_EVENT_KEYS: usize = 1 << 16;
 pub struct EventLog {
     key_len: usize,
     max_keys: usize,
-    /// (removed, end offset of the record's keys in `keys`); records before `first` are dropped.
-    records: Vec<(bool, usize)>,
+    /// (kind, end offset of the record's keys in `keys`); records before `first` are dropped.
+    records: Vec<(Kind, usize)>,
     first: usize,
     /// Keys of all records; bytes before `start` belong to dropped records.
     keys: Vec<u8>,
@@ -20,11 +20,23 @@ pub struct EventLog {
     dropped: u64,
 }
 
+/// What an event says of its keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Kind {
+    #[default]
+    Stored,
+    Removed,
+    RemovedMetadataOnly,
+}
+
 /// One event: `keys` is a flat buffer of whole keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Event<'a> {
-    /// True for evicted keys, false for keys that became ready.
+    /// True for evicted keys (and keys whose store failed), false for keys that became ready.
     pub removed: bool,
+    /// A removal of keys whose store failed (vLLM 0.33 semantics): they never became
+    /// readable, so only an index of announced keys has anything to drop.
+    pub metadata_only: bool,
     /// The keys, `key_len` bytes each.
     pub keys: &'a [u8],
 }
@@ -44,12 +56,54 @@ impl EventLog {
         self.keys.extend_from_slice(key);
     }
 
+    /// Closes the record of the keys pushed since the last one (none: no record), as a
+    /// removal or a store.
     pub(crate) fn end_record(&mut self, removed: bool) {
+        self.end(if removed { Kind::Removed } else { Kind::Stored });
+    }
+
+    /// Closes the record as a metadata-only removal (keys whose store failed).
+    pub(crate) fn end_record_metadata_only(&mut self) {
+        self.end(Kind::RemovedMetadataOnly);
+    }
+
+    fn end(&mut self, kind: Kind) {
         let start = self.records.last().map_or(0, |r| r.1);
         if self.keys.len() > start {
-            self.records.push((removed, self.keys.len()));
+            self.records.push((kind, self.keys.len()));
             self.bound();
         }
+    }
+
+    /// Whether a metadata-only removal is buffered.
+    pub(crate) fn has_metadata_only(&self) -> bool {
+        self.records[self.first..]
+            .iter()
+            .any(|r| r.0 == Kind::RemovedMetadataOnly)
+    }
+
+    /// The log with the keys of metadata-only removals for which `present` holds dropped (and
+    /// such removals left with no key dropped whole); other events unchanged.
+    pub(crate) fn without_present(&self, mut present: impl FnMut(&[u8]) -> bool) -> Self {
+        let mut out = Self::new(self.key_len, self.max_keys);
+        out.dropped = self.dropped;
+        for e in self.iter() {
+            for key in e.keys.chunks_exact(self.key_len) {
+                if !(e.metadata_only && present(key)) {
+                    out.keys.extend_from_slice(key);
+                }
+            }
+            let kind = match (e.removed, e.metadata_only) {
+                (_, true) => Kind::RemovedMetadataOnly,
+                (true, false) => Kind::Removed,
+                (false, false) => Kind::Stored,
+            };
+            let start = out.records.last().map_or(0, |r| r.1);
+            if out.keys.len() > start {
+                out.records.push((kind, out.keys.len()));
+            }
+        }
+        out
     }
 
     /// Drops the oldest records while more than `max_keys` keys are held (never the newest),
@@ -99,13 +153,15 @@ impl EventLog {
     /// The events, oldest first.
     pub fn iter(&self) -> impl Iterator<Item = Event<'_>> {
         let mut start = self.start;
-        self.records[self.first..]
-            .iter()
-            .map(move |&(removed, end)| {
-                let keys = &self.keys[start..end];
-                start = end;
-                Event { removed, keys }
-            })
+        self.records[self.first..].iter().map(move |&(kind, end)| {
+            let keys = &self.keys[start..end];
+            start = end;
+            Event {
+                removed: kind != Kind::Stored,
+                metadata_only: kind == Kind::RemovedMetadataOnly,
+                keys,
+            }
+        })
     }
 
     /// All keys of all events, back to back, oldest first.

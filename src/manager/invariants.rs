@@ -35,6 +35,9 @@ impl Manager {
                 (st.stores_in_flight, st.evictable, st.pinned)
             ));
         }
+        self.records
+            .check(self.cfg.key_len, &self.keys)
+            .or_else(bad)?;
         self.policy
             .check(&self.slots, &occupied, used, idle)
             .or_else(bad)

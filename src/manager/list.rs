@@ -84,6 +84,12 @@ impl<T: Copy + Default> Links<T> {
         self.nodes[id as usize].next
     }
 
+    /// The id before `id` in its list ([`NO_ID`] for the head).
+    #[inline]
+    pub fn prev(&self, id: u32) -> u32 {
+        self.nodes[id as usize].prev
+    }
+
     /// Whether `id` is in a list.
     #[inline]
     pub fn is_linked(&self, id: u32) -> bool {

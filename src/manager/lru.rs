@@ -62,7 +62,7 @@ impl EvictionPolicy for LruPolicy {
     }
 
     #[inline]
-    fn insert(&mut self, new: NewKey<'_>, keys: &mut KeyTable) -> u32 {
+    fn insert(&mut self, new: NewKey<'_>, keys: &mut KeyTable, _rank: &mut u32) -> u32 {
         keys.insert_hashed(new.hash, new.slot, new.key);
         new.slot
     }

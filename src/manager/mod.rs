@@ -1,14 +1,17 @@
 //! The offload tier index: which keys are stored in which host slots, their state
 //! (store in flight, ready, pinned by loads), and eviction (LRU or ARC).
 //!
-//! Behaviour follows vLLM 0.24 `CPUOffloadingManager` exactly: the same calls give the same
-//! answers, slots and evictions. Differences (`docs/design.md` §9): a call that fails changes
-//! nothing (vLLM asserts half-way), and duplicate keys in one `prepare_store` are stored once.
+//! Behaviour follows vLLM's `CPUOffloadingManager` of the release chosen by
+//! [`ManagerConfig::semantics`] exactly: 0.24 or 0.33; the same calls give the same answers,
+//! slots and evictions. Differences (`docs/design.md` §9): a call that fails with a bad argument
+//! changes nothing (vLLM asserts half-way), and duplicate keys in one `prepare_store` are
+//! stored once.
 //!
 //! This file holds the manager, its construction, key resolution, lookups and loads; `store.rs`
-//! the stores, evictions and discards; `dedupe.rs` the duplicate-key filter of a store;
-//! `invariants.rs` the self-check; `policy.rs` the interface behind which `lru.rs` and `arc.rs`
-//! hold what differs between the policies.
+//! the stores, evictions and discards; `requests.rs` the request-scoped calls of 0.33 (begin,
+//! record, commit at finish) over the records of `record.rs`; `dedupe.rs` the duplicate-key
+//! filter of a store; `invariants.rs` the self-check; `policy.rs` the interface behind which
+//! `lru.rs` (0.24), `lru_ranked.rs` (0.33) and `arc.rs` hold what differs between the policies.
 
 mod arc;
 mod dedupe;
@@ -17,21 +20,26 @@ mod invariants;
 mod keys;
 mod list;
 mod lru;
+mod lru_ranked;
 mod policy;
 mod pool;
+mod record;
+mod requests;
 mod store;
 mod tracker;
 mod types;
 
 pub use events::{Event, EventLog, MIN_EVENT_KEYS};
 pub use types::{
-    Lookup, ManagerConfig, ManagerStats, Policy, PrefixLookup, StoreCounts, StorePlan,
+    Lookup, ManagerConfig, ManagerStats, Policy, PrefixLookup, RequestId, Semantics, StoreCounts,
+    StorePlan,
 };
 
 use crate::error::{Error, Result, invalid};
 use keys::KeyTable;
 use policy::PolicyImpl;
 use pool::SlotPool;
+use record::Records;
 use std::ops::Range;
 use tracker::Tracker;
 
@@ -67,7 +75,18 @@ pub struct Manager {
     scratch_new: Vec<u32>,
     scratch_pairs: Vec<(u64, u32)>,
     scratch_filter: Vec<u64>,
+    /// Per key of a 0.33 store: its class (candidate, ready, neither) and record index.
+    scratch_class: Vec<(u8, u32)>,
+    /// Manager ids and positions handed to a 0.33 policy hook, and a commit's order and flags.
+    scratch_access_ids: Vec<u32>,
+    scratch_access_pos: Vec<u64>,
+    scratch_order: Vec<u32>,
+    scratch_flags: Vec<u8>,
     epoch: u32,
+    /// The request records of 0.33 semantics, and the cache generation (bumped by `reset`)
+    /// that makes older records stale.
+    records: Records,
+    generation: u64,
 }
 
 /// What the manager keeps per slot, side by side (one cache line per slot).
@@ -112,12 +131,13 @@ impl Manager {
                 cfg.key_len
             ));
         }
-        let max_slots = PolicyImpl::max_slots(cfg.policy);
+        let max_slots = PolicyImpl::max_slots(cfg.policy, cfg.semantics);
         if cfg.num_slots > max_slots {
             return Err(invalid!(
-                "num_slots: {} is above {max_slots} for {:?}",
+                "num_slots: {} is above {max_slots} for {:?} in {:?}",
                 cfg.num_slots,
-                cfg.policy
+                cfg.policy,
+                cfg.semantics
             ));
         }
         if cfg.store_threshold >= 2 && cfg.max_tracker_size == 0 {
@@ -128,7 +148,7 @@ impl Manager {
         }
         let n = cfg.num_slots;
         let mut keys = KeyTable::new(cfg.key_len, n)?;
-        let policy = PolicyImpl::new(cfg.policy, n, &mut keys)?;
+        let policy = PolicyImpl::new(cfg.policy, cfg.semantics, n, &mut keys)?;
         let free = SlotState {
             ref_cnt: 0,
             stamp: 0,
@@ -160,7 +180,14 @@ impl Manager {
             scratch_new: Vec::new(),
             scratch_pairs: Vec::new(),
             scratch_filter: Vec::new(),
+            scratch_class: Vec::new(),
+            scratch_access_ids: Vec::new(),
+            scratch_access_pos: Vec::new(),
+            scratch_order: Vec::new(),
+            scratch_flags: Vec::new(),
             epoch: 0,
+            records: Records::default(),
+            generation: 0,
             cfg,
         })
     }
@@ -173,6 +200,12 @@ impl Manager {
     /// Width of every key in bytes.
     pub fn key_len(&self) -> usize {
         self.cfg.key_len
+    }
+
+    /// Whether the manager follows vLLM 0.33 semantics.
+    #[inline]
+    fn v033(&self) -> bool {
+        self.cfg.semantics == Semantics::Vllm033
     }
 
     fn check_keys(&self, keys: &[u8], name: &str) -> Result<usize> {
@@ -256,7 +289,9 @@ impl Manager {
         }
     }
 
-    /// Looks up one key: counts it for the store threshold, and answers without changing recency.
+    /// Looks up one key, without changing recency. In 0.24 semantics the lookup counts for the
+    /// store threshold and a key whose store is in flight answers [`Lookup::Retry`]; in 0.33
+    /// it counts for nothing and such a key answers [`Lookup::HitPending`].
     pub fn lookup(&mut self, key: &[u8]) -> Result<Lookup> {
         if key.len() != self.cfg.key_len {
             return Err(invalid!(
@@ -278,12 +313,16 @@ impl Manager {
     /// Counts a lookup of `key` (hash `h`, manager id `id`) and answers it.
     #[inline]
     fn count_lookup(&mut self, h: u64, key: &[u8], id: Option<u32>) -> Lookup {
-        if let Some(t) = &mut self.tracker {
+        let v033 = self.v033();
+        if let Some(t) = &mut self.tracker
+            && !v033
+        {
             t.record(h, key);
         }
         self.stats.lookups += 1;
         match self.slot(id) {
             None => Lookup::Miss,
+            Some(s) if self.slots[s as usize].ref_cnt == IN_FLIGHT && v033 => Lookup::HitPending,
             Some(s) if self.slots[s as usize].ref_cnt == IN_FLIGHT => Lookup::Retry,
             Some(_) => {
                 self.stats.hits += 1;
@@ -318,7 +357,7 @@ impl Manager {
             let id = self.find_hashed(h, key);
             match self.count_lookup(h, key, id) {
                 Lookup::Miss => break,
-                Lookup::Retry => out.retry = true,
+                Lookup::Retry | Lookup::HitPending => out.retry = true,
                 Lookup::Hit => {}
             }
             out.hits += 1;
@@ -328,7 +367,8 @@ impl Manager {
 
     /// Pins every key for a load and writes its slot to `out_slots[i]`, in input order.
     /// Fails, changing nothing, if a key is not stored ([`Error::NotFound`]), its store is in
-    /// flight ([`Error::InvalidState`]) or `out_slots` is shorter than the keys.
+    /// flight ([`Error::InvalidState`]) or `out_slots` is shorter than the keys. (In 0.33
+    /// semantics a load outside a request records nothing; see [`Self::prepare_load_for`].)
     pub fn prepare_load(&mut self, keys: &[u8], out_slots: &mut [u32]) -> Result<usize> {
         let n = self.check_keys(keys, "keys")?;
         if out_slots.len() < n {
@@ -395,7 +435,7 @@ impl Manager {
             let id = self.resolved_id(i);
             match self.count_lookup(self.scratch_hash[i], key_at(keys, kl, i as u32), id) {
                 Lookup::Miss => break,
-                Lookup::Retry => out.retry = true,
+                Lookup::Retry | Lookup::HitPending => out.retry = true,
                 Lookup::Hit => {}
             }
             out.hits += 1;
@@ -452,17 +492,24 @@ impl Manager {
             .map(|s| self.slots[s as usize].ref_cnt)
     }
 
-    /// Takes the buffered events, oldest first.
+    /// Takes the buffered events, oldest first. A metadata-only removal (a failed store, 0.33
+    /// semantics) keeps only its keys that are absent now: a key stored again since is dropped
+    /// from it, and a removal left with no key is dropped whole.
     pub fn take_events(&mut self) -> EventLog {
-        let fresh = EventLog::new(self.cfg.key_len, self.events.max_keys());
-        let log = std::mem::replace(&mut self.events, fresh);
+        let log = self.events().into_owned();
+        self.events = EventLog::new(self.cfg.key_len, self.events.max_keys());
         self.stats.events_dropped += log.dropped();
         log
     }
 
-    /// Buffered events, oldest first (not drained).
-    pub fn events(&self) -> &EventLog {
-        &self.events
+    /// The events [`Self::take_events`] would take now, oldest first (not drained).
+    pub fn events(&self) -> std::borrow::Cow<'_, EventLog> {
+        if self.events.has_metadata_only() {
+            let present = |key: &[u8]| self.slot(self.find(key)).is_some();
+            std::borrow::Cow::Owned(self.events.without_present(present))
+        } else {
+            std::borrow::Cow::Borrowed(&self.events)
+        }
     }
 
     /// Current counters and gauges.
@@ -475,9 +522,11 @@ impl Manager {
     }
 
     /// Drops every key and frees every slot (no events); cumulative counters, buffered events
-    /// and the store-threshold counts are kept. Only safe when the caller discards completions
-    /// of jobs from before the reset (the scheduler does).
+    /// and the store-threshold counts are kept. Request records of 0.33 semantics become stale:
+    /// their next use starts them again empty, and finishing one commits nothing. Only safe
+    /// when the caller discards completions of jobs from before the reset (the scheduler does).
     pub fn reset(&mut self) {
+        self.generation += 1;
         self.keys.clear();
         self.pool.reset();
         self.slots.iter_mut().for_each(|s| s.ref_cnt = 0);
@@ -509,3 +558,5 @@ fn key_at(keys: &[u8], kl: usize, i: u32) -> &[u8] {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_vllm033;

@@ -1,5 +1,6 @@
 //! What differs between the eviction policies, behind one interface: [`EvictionPolicy`],
-//! implemented by [`LruPolicy`] (`lru.rs`) and [`ArcPolicy`] (`arc.rs`).
+//! implemented by [`LruPolicy`] (`lru.rs`, vLLM 0.24's LRU), [`RankedLruPolicy`]
+//! (`lru_ranked.rs`, vLLM 0.33's LRU) and [`ArcPolicy`] (`arc.rs`, both releases' ARC).
 //!
 //! The manager owns the slots (their reference counts, protection stamps and entries), the key
 //! table and the slot pool; a policy keeps its own order of the slots (and, for ARC, the keys
@@ -10,23 +11,26 @@
 use super::arc::ArcPolicy;
 use super::keys::KeyTable;
 use super::lru::LruPolicy;
+use super::lru_ranked::RankedLruPolicy;
 use super::pool::SlotPool;
+use super::record::NO_POS;
 use super::{NO_ID, SlotState, key_at};
 use crate::error::Result;
-use crate::manager::Policy;
+use crate::manager::{Policy, Semantics};
 
 /// A key `prepare_store` stores: its fresh slot, what `resolve` found for it (its manager id
-/// and hash), and its bytes.
+/// and hash), its bytes, and its position in the storing request ([`NO_POS`]: none).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct NewKey<'k> {
     pub slot: u32,
     pub id: u32,
     pub hash: u64,
     pub key: &'k [u8],
+    pub position: u64,
 }
 
 /// The keys a `prepare_store` stores: `indices` into its `keys` (`key_len` bytes each), whose
-/// hashes and manager ids `resolve` found.
+/// hashes and manager ids `resolve` found, and the keys' positions (empty: none).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct NewKeys<'k> {
     pub indices: &'k [u32],
@@ -34,6 +38,7 @@ pub(super) struct NewKeys<'k> {
     pub key_len: usize,
     pub hashes: &'k [u64],
     pub ids: &'k [u32],
+    pub positions: &'k [u64],
 }
 
 /// One eviction policy's side of the manager: the calls a policy answers and the changes of
@@ -55,8 +60,9 @@ pub(super) trait EvictionPolicy: Sized {
     fn id_of_entry(&self, e: u32) -> u32;
 
     /// Adds a key to the key table (or takes it back from the policy's memory) for its new,
-    /// in-flight slot; returns the key's entry.
-    fn insert(&mut self, new: NewKey<'_>, keys: &mut KeyTable) -> u32;
+    /// in-flight slot; returns the key's entry. `rank` is the storing request's rank in the
+    /// policy ([`NO_ID`]: none yet), which the policy may take.
+    fn insert(&mut self, new: NewKey<'_>, keys: &mut KeyTable, rank: &mut u32) -> u32;
 
     /// Stores every key of `new` in order, each in a slot from `pool` written to `out`: the
     /// slot records the key's entry and has its store in flight.
@@ -68,6 +74,7 @@ pub(super) trait EvictionPolicy: Sized {
         slots: &mut [SlotState],
         keys: &mut KeyTable,
         out: &mut [u32],
+        rank: &mut u32,
     ) {
         let kl = new.key_len;
         for (out, &i) in out.iter_mut().zip(new.indices) {
@@ -77,8 +84,9 @@ pub(super) trait EvictionPolicy: Sized {
                 id: new.ids[i as usize],
                 hash: new.hashes[i as usize],
                 key: key_at(new.keys, kl, i),
+                position: new.positions.get(i as usize).copied().unwrap_or(NO_POS),
             };
-            let entry = self.insert(k, keys);
+            let entry = self.insert(k, keys, rank);
             slots[slot as usize].start_store(entry);
             *out = slot;
         }
@@ -93,6 +101,33 @@ pub(super) trait EvictionPolicy: Sized {
     /// Marks the keys of manager ids `ids` as used, walking them last first (the first ends
     /// most recent); [`NO_ID`] entries are skipped.
     fn touch(&mut self, ids: &[u32], slots: &[SlotState]);
+
+    /// vLLM 0.33 `on_request_access`: a request observes the keys of manager ids `ids` (with
+    /// `positions`, [`NO_POS`]: none) for the first time; `rank` as for [`Self::insert`].
+    fn on_request_access(
+        &mut self,
+        _ids: &[u32],
+        _positions: &[u64],
+        _rank: &mut u32,
+        _keys: &KeyTable,
+    ) {
+    }
+
+    /// vLLM 0.33 `on_store_miss`: a request offers, for the first time, the absent keys of
+    /// manager ids `ids` (a ghost or [`NO_ID`] each) to a store, before that store's eviction.
+    fn on_store_miss(&mut self, _ids: &[u32]) {}
+
+    /// vLLM 0.33 `on_request_finished`: the commit of a finished request's keys, `ids` head
+    /// to tail with their record flags (`record::INSERTED`, `record::REUSED`); `rank` is the
+    /// request's rank ([`NO_ID`]: none), which ends here.
+    fn on_request_finished(
+        &mut self,
+        _ids: &[u32],
+        _flags: &[u8],
+        _slots: &[SlotState],
+        _rank: u32,
+    ) {
+    }
 
     /// Appends to `out` `n` slots to evict by the policy's rule, among the ready, idle slots not
     /// protected in `epoch`, changing nothing; false when there are fewer.
@@ -125,6 +160,7 @@ pub(super) trait EvictionPolicy: Sized {
 /// manager).
 pub(super) enum PolicyImpl {
     Lru(LruPolicy),
+    RankedLru(RankedLruPolicy),
     Arc(ArcPolicy),
 }
 
@@ -133,25 +169,39 @@ macro_rules! dispatch {
     ($policy:expr, $p:ident => $body:expr) => {
         match $policy {
             PolicyImpl::Lru($p) => $body,
+            PolicyImpl::RankedLru($p) => $body,
             PolicyImpl::Arc($p) => $body,
         }
     };
 }
 
 impl PolicyImpl {
-    /// The most slots `policy` can manage.
-    pub fn max_slots(policy: Policy) -> usize {
-        match policy {
-            Policy::Lru => LruPolicy::MAX_SLOTS,
-            Policy::Arc => ArcPolicy::MAX_SLOTS,
+    /// The most slots `policy` can manage in `semantics`.
+    pub fn max_slots(policy: Policy, semantics: Semantics) -> usize {
+        match (policy, semantics) {
+            (Policy::Lru, Semantics::Vllm024) => LruPolicy::MAX_SLOTS,
+            (Policy::Lru, Semantics::Vllm033) => RankedLruPolicy::MAX_SLOTS,
+            (Policy::Arc, _) => ArcPolicy::MAX_SLOTS,
         }
     }
 
-    /// See [`EvictionPolicy::new`].
-    pub fn new(policy: Policy, num_slots: usize, keys: &mut KeyTable) -> Result<Self> {
-        Ok(match policy {
-            Policy::Lru => PolicyImpl::Lru(LruPolicy::new(num_slots, keys)?),
-            Policy::Arc => PolicyImpl::Arc(ArcPolicy::new(num_slots, keys)?),
+    /// See [`EvictionPolicy::new`]; ARC of 0.33 falls back to T1 when T2 has no candidate.
+    pub fn new(
+        policy: Policy,
+        semantics: Semantics,
+        num_slots: usize,
+        keys: &mut KeyTable,
+    ) -> Result<Self> {
+        Ok(match (policy, semantics) {
+            (Policy::Lru, Semantics::Vllm024) => PolicyImpl::Lru(LruPolicy::new(num_slots, keys)?),
+            (Policy::Lru, Semantics::Vllm033) => {
+                PolicyImpl::RankedLru(RankedLruPolicy::new(num_slots, keys)?)
+            }
+            (Policy::Arc, s) => {
+                let mut arc = ArcPolicy::new(num_slots, keys)?;
+                arc.fallback_to_t1 = s == Semantics::Vllm033;
+                PolicyImpl::Arc(arc)
+            }
         })
     }
 
@@ -160,6 +210,7 @@ impl PolicyImpl {
     pub fn free_entry(&self, slot: u32) -> u32 {
         match self {
             PolicyImpl::Lru(_) => LruPolicy::free_entry(slot),
+            PolicyImpl::RankedLru(_) => RankedLruPolicy::free_entry(slot),
             PolicyImpl::Arc(_) => ArcPolicy::free_entry(slot),
         }
     }
@@ -194,8 +245,9 @@ impl PolicyImpl {
         slots: &mut [SlotState],
         keys: &mut KeyTable,
         out: &mut [u32],
+        rank: &mut u32,
     ) {
-        dispatch!(self, p => p.insert_all(new, pool, slots, keys, out))
+        dispatch!(self, p => p.insert_all(new, pool, slots, keys, out, rank))
     }
 
     /// See [`EvictionPolicy::on_pinned`].
@@ -214,6 +266,35 @@ impl PolicyImpl {
     #[inline]
     pub fn touch(&mut self, ids: &[u32], slots: &[SlotState]) {
         dispatch!(self, p => p.touch(ids, slots))
+    }
+
+    /// See [`EvictionPolicy::on_request_access`].
+    #[inline]
+    pub fn on_request_access(
+        &mut self,
+        ids: &[u32],
+        positions: &[u64],
+        rank: &mut u32,
+        keys: &KeyTable,
+    ) {
+        dispatch!(self, p => p.on_request_access(ids, positions, rank, keys))
+    }
+
+    /// See [`EvictionPolicy::on_store_miss`].
+    #[inline]
+    pub fn on_store_miss(&mut self, ids: &[u32]) {
+        dispatch!(self, p => p.on_store_miss(ids))
+    }
+
+    /// See [`EvictionPolicy::on_request_finished`].
+    pub fn on_request_finished(
+        &mut self,
+        ids: &[u32],
+        flags: &[u8],
+        slots: &[SlotState],
+        rank: u32,
+    ) {
+        dispatch!(self, p => p.on_request_finished(ids, flags, slots, rank))
     }
 
     /// See [`EvictionPolicy::pick_victims`].
@@ -266,7 +347,7 @@ impl PolicyImpl {
     pub fn arc_mut(&mut self) -> Option<&mut ArcPolicy> {
         match self {
             PolicyImpl::Arc(a) => Some(a),
-            PolicyImpl::Lru(_) => None,
+            _ => None,
         }
     }
 
@@ -275,7 +356,7 @@ impl PolicyImpl {
     pub fn arc(&self) -> Option<&ArcPolicy> {
         match self {
             PolicyImpl::Arc(a) => Some(a),
-            PolicyImpl::Lru(_) => None,
+            _ => None,
         }
     }
 
@@ -284,7 +365,16 @@ impl PolicyImpl {
     pub fn lru(&self) -> Option<&LruPolicy> {
         match self {
             PolicyImpl::Lru(l) => Some(l),
-            PolicyImpl::Arc(_) => None,
+            _ => None,
+        }
+    }
+
+    /// The 0.33 LRU policy, for tests.
+    #[cfg(test)]
+    pub fn ranked_lru(&self) -> Option<&RankedLruPolicy> {
+        match self {
+            PolicyImpl::RankedLru(l) => Some(l),
+            _ => None,
         }
     }
 }

@@ -1,10 +1,16 @@
 //! Stores: `prepare_store` (the threshold filter, protection of the keys named, eviction by
-//! the policy, slots for the new keys), `complete_store`, and `discard`.
+//! the policy, slots for the new keys) in the order of vLLM 0.24 or 0.33, `complete_store`,
+//! and `discard`.
 
 use super::keys::{self, key_eq};
 use super::policy::NewKeys;
-use super::{IN_FLIGHT, Manager, SlotState, StoreCounts, StorePlan};
+use super::record::{INSERTED, NO_POS, REUSED, STORE_MISS};
+use super::{IN_FLIGHT, Manager, NO_ID, SlotState, StoreCounts, StorePlan, key_at};
 use crate::error::{Error, Result, invalid};
+
+/// Marks, in a 0.33 store's per-key class, a candidate reported as a store miss by this call
+/// (until the key's record index replaces it).
+const STORE_MISS_PENDING: u32 = NO_ID - 1;
 
 impl Manager {
     /// [`Self::prepare_store_into`] with owned, reusable outputs.
@@ -30,7 +36,14 @@ impl Manager {
     /// indices and slots of the keys to store, and the evicted keys (back to back, eviction
     /// order). Each output must hold as many entries as there are keys.
     ///
-    /// Fails with [`Error::NoRoom`], changing nothing, when not enough can be evicted now.
+    /// Fails with [`Error::NoRoom`] when not enough can be evicted now, changing nothing in
+    /// 0.24 semantics; in 0.33 semantics the store-threshold counts and the policy's store-miss
+    /// adaptation are kept, as vLLM 0.33 keeps them.
+    ///
+    /// In 0.33 semantics (vLLM 0.33 `prepare_store`): the threshold counts offers, every key
+    /// offered counts; only absent keys are candidates and only they are filtered; the whole
+    /// offer is protected from eviction; a call without a request is one of its own (see
+    /// [`Self::prepare_store_for`]).
     pub fn prepare_store_into(
         &mut self,
         keys: &[u8],
@@ -38,7 +51,21 @@ impl Manager {
         out_slots: &mut [u32],
         out_evicted: &mut [u8],
     ) -> Result<StoreCounts> {
-        let n = self.check_keys(keys, "keys")?;
+        self.check_keys(keys, "keys")?;
+        self.prepare_store_checked(None, keys, &[], out_indices, out_slots, out_evicted)
+    }
+
+    /// A store of request record `req` (`None`: none) with checked `keys` and `positions`.
+    pub(super) fn prepare_store_checked(
+        &mut self,
+        req: Option<usize>,
+        keys: &[u8],
+        positions: &[u64],
+        out_indices: &mut [u32],
+        out_slots: &mut [u32],
+        out_evicted: &mut [u8],
+    ) -> Result<StoreCounts> {
+        let n = keys.len() / self.cfg.key_len;
         let kl = self.cfg.key_len;
         if out_indices.len() < n {
             return Err(Error::BufferTooSmall {
@@ -61,7 +88,27 @@ impl Manager {
                 got: out_evicted.len() / kl,
             });
         }
-        self.resolve(keys);
+        if !self.v033() {
+            return self.store_024(keys, out_indices, out_slots, out_evicted);
+        }
+        let i = req.unwrap_or_else(|| self.begin_anonymous());
+        let r = self.store_033(i, keys, positions, out_indices, out_slots, out_evicted);
+        if req.is_none() {
+            self.end_anonymous(i);
+        }
+        r
+    }
+
+    /// vLLM 0.24 `prepare_store` (arguments checked).
+    fn store_024(
+        &mut self,
+        keys: &[u8],
+        out_indices: &mut [u32],
+        out_slots: &mut [u32],
+        out_evicted: &mut [u8],
+    ) -> Result<StoreCounts> {
+        let n = self.resolve(keys);
+        let kl = self.cfg.key_len;
         // Protect every present key named in the call (before the threshold filter: vLLM 0.24
         // protects only the keys that pass it), filter by the threshold, collect the absent
         // keys that pass (deduplicated).
@@ -91,45 +138,197 @@ impl Manager {
             self.stats.stores_skipped += skipped;
             return Ok(StoreCounts::default());
         }
-        let need = to_store.saturating_sub(self.pool.num_free());
-        if need > 0 {
-            let no_room =
-                || Error::NoRoom(format!("need {need} evictable slots for {to_store} keys"));
-            if need as u64 > self.stats.evictable {
-                return Err(no_room());
-            }
-            self.scratch_victims.clear();
-            let slots = &self.slots;
-            if !self
-                .policy
-                .pick_victims(need, slots, self.epoch, &mut self.scratch_victims)
-            {
-                return Err(no_room());
-            }
-            let entries = self
-                .scratch_victims
-                .iter()
-                .map(|&s| slots[s as usize].entry);
-            self.keys.prefetch_entries(entries);
-            self.evict_victims(&mut out_evicted[..need * kl]);
-        }
+        self.make_room(to_store, out_evicted)?;
         self.stats.stores_skipped += skipped;
+        let mut no_rank = NO_ID;
+        self.insert_new(keys, &[], out_indices, out_slots, &mut no_rank)
+    }
+
+    /// vLLM 0.33 `prepare_store` for record `i` (arguments checked), in its order: count the
+    /// offer; candidates = the absent keys (deduplicated), filtered by the threshold; report
+    /// the candidates not reported before by this request as store misses; record the
+    /// candidates and the ready keys (these as reused); evict with the whole offer protected;
+    /// insert.
+    fn store_033(
+        &mut self,
+        i: usize,
+        keys: &[u8],
+        positions: &[u64],
+        out_indices: &mut [u32],
+        out_slots: &mut [u32],
+        out_evicted: &mut [u8],
+    ) -> Result<StoreCounts> {
+        const NEITHER: u8 = 0;
+        const CANDIDATE: u8 = 1;
+        const READY: u8 = 2;
+        let n = self.resolve(keys);
+        let kl = self.cfg.key_len;
+        if let Some(t) = &mut self.tracker {
+            t.count_offer(&self.scratch_hash[..n], keys, kl);
+        }
+        self.next_epoch();
+        self.scratch_new.clear();
+        self.scratch_class.clear();
+        for &id in &self.scratch_ids[..n] {
+            let class = if (id as usize) < self.cfg.num_slots {
+                let st = &mut self.slots[id as usize];
+                st.stamp = self.epoch;
+                if st.ref_cnt == IN_FLIGHT {
+                    NEITHER
+                } else {
+                    READY
+                }
+            } else {
+                self.scratch_new.push(self.scratch_class.len() as u32);
+                CANDIDATE
+            };
+            self.scratch_class.push((class, NO_ID));
+        }
+        self.dedupe_new(keys);
+        if let Some(t) = &self.tracker {
+            let hashes = &self.scratch_hash;
+            let before = self.scratch_new.len();
+            self.scratch_new
+                .retain(|&k| t.passes(hashes[k as usize], key_at(keys, kl, k)));
+            self.stats.stores_skipped += (before - self.scratch_new.len()) as u64;
+        }
+        // The candidates left; the others (filtered, repeated) are neither.
+        for c in &mut self.scratch_class {
+            if c.0 == CANDIDATE {
+                c.0 = NEITHER;
+            }
+        }
+        for &k in &self.scratch_new {
+            self.scratch_class[k as usize].0 = CANDIDATE;
+        }
+        // Store misses: candidates this request has not reported yet.
+        let rec = self.records.current(i, self.generation);
+        self.scratch_access_ids.clear();
+        for &k in &self.scratch_new {
+            let k = k as usize;
+            let seen = rec.find(self.scratch_hash[k], key_at(keys, kl, k as u32));
+            if seen.is_none_or(|j| rec.flags[j as usize] & STORE_MISS == 0) {
+                self.scratch_access_ids.push(self.scratch_ids[k]);
+                self.scratch_class[k].1 = STORE_MISS_PENDING;
+            }
+        }
+        if !self.scratch_access_ids.is_empty() {
+            self.policy.on_store_miss(&self.scratch_access_ids);
+        }
+        // Record the candidates and the ready keys, in offer order.
+        self.scratch_access_ids.clear();
+        self.scratch_access_pos.clear();
+        for (k, key) in keys.chunks_exact(kl).enumerate() {
+            let (class, miss) = self.scratch_class[k];
+            if class == NEITHER {
+                continue;
+            }
+            let (h, p) = (
+                self.scratch_hash[k],
+                positions.get(k).copied().unwrap_or(NO_POS),
+            );
+            let j = match rec.find(h, key) {
+                Some(j) => {
+                    rec.set_position(j, p);
+                    j
+                }
+                None => {
+                    self.scratch_access_ids.push(self.scratch_ids[k]);
+                    self.scratch_access_pos.push(p);
+                    rec.push(h, key, p)
+                }
+            };
+            let f = &mut rec.flags[j as usize];
+            if miss == STORE_MISS_PENDING {
+                *f |= STORE_MISS;
+            }
+            if class == READY && *f & INSERTED == 0 {
+                *f |= REUSED;
+            }
+            self.scratch_class[k].1 = j;
+        }
+        if !self.scratch_access_ids.is_empty() {
+            self.policy.on_request_access(
+                &self.scratch_access_ids,
+                &self.scratch_access_pos,
+                &mut rec.rank,
+                &self.keys,
+            );
+        }
+        let to_store = self.scratch_new.len();
+        if to_store == 0 {
+            return Ok(StoreCounts::default());
+        }
+        self.make_room(to_store, out_evicted)?;
+        let rec = self.records.current(i, self.generation);
+        let mut rank = rec.rank;
+        for &k in &self.scratch_new {
+            let j = self.scratch_class[k as usize].1;
+            rec.flags[j as usize] |= INSERTED;
+        }
+        let counts = self.insert_new(keys, positions, out_indices, out_slots, &mut rank)?;
+        self.records.current(i, self.generation).rank = rank;
+        Ok(counts)
+    }
+
+    /// Evicts (by the policy, none of this epoch's protected slots) what `to_store` new keys
+    /// need beyond the free slots, writing the evicted keys to `out_evicted`; returns their
+    /// number. Fails with [`Error::NoRoom`], changing nothing, when not enough can be evicted.
+    fn make_room(&mut self, to_store: usize, out_evicted: &mut [u8]) -> Result<usize> {
+        self.scratch_victims.clear();
+        let need = to_store.saturating_sub(self.pool.num_free());
+        if need == 0 {
+            return Ok(0);
+        }
+        let no_room = || Error::NoRoom(format!("need {need} evictable slots for {to_store} keys"));
+        if need as u64 > self.stats.evictable {
+            return Err(no_room());
+        }
+        let slots = &self.slots;
+        if !self
+            .policy
+            .pick_victims(need, slots, self.epoch, &mut self.scratch_victims)
+        {
+            return Err(no_room());
+        }
+        let entries = self
+            .scratch_victims
+            .iter()
+            .map(|&s| slots[s as usize].entry);
+        self.keys.prefetch_entries(entries);
+        self.evict_victims(&mut out_evicted[..need * self.cfg.key_len]);
+        Ok(need)
+    }
+
+    /// Stores the keys `scratch_new` names (indices into `keys`), each in a new in-flight slot,
+    /// with `positions` (empty: none) and the storing request's policy `rank`.
+    fn insert_new(
+        &mut self,
+        keys: &[u8],
+        positions: &[u64],
+        out_indices: &mut [u32],
+        out_slots: &mut [u32],
+        rank: &mut u32,
+    ) -> Result<StoreCounts> {
+        let to_store = self.scratch_new.len();
+        let evicted = self.scratch_victims.len();
         out_indices[..to_store].copy_from_slice(&self.scratch_new);
         let (new, hashes, ids) = (&self.scratch_new[..], &self.scratch_hash, &self.scratch_ids);
         let new = NewKeys {
             indices: new,
             keys,
-            key_len: kl,
+            key_len: self.cfg.key_len,
             hashes,
             ids,
+            positions,
         };
         let (pool, slots, table) = (&mut self.pool, &mut self.slots, &mut self.keys);
         let out = &mut out_slots[..to_store];
-        self.policy.insert_all(new, pool, slots, table, out);
+        self.policy.insert_all(new, pool, slots, table, out, rank);
         self.stats.stores_in_flight += to_store as u64;
         Ok(StoreCounts {
             stored: to_store,
-            evicted: need,
+            evicted,
         })
     }
 
@@ -171,7 +370,8 @@ impl Manager {
     }
 
     /// Ends the stores of `keys`. Success makes the in-flight ones ready (one "stored" event);
-    /// failure drops the in-flight ones and frees their slots. Keys that are unknown or already
+    /// failure drops the in-flight ones and frees their slots (in 0.33 semantics with one
+    /// metadata-only "removed" event, see [`Self::take_events`]). Keys that are unknown or already
     /// ready are ignored on purpose (as by vLLM 0.24 `CPUOffloadingManager.complete_store`).
     pub fn complete_store(&mut self, keys: &[u8], success: bool) -> Result<()> {
         self.complete_store_at(keys, &[], success)
@@ -208,12 +408,12 @@ impl Manager {
             };
             self.slots[s as usize].ref_cnt = 0;
             ended += 1;
-            if !success {
+            if success {
+                self.policy.on_ready(s);
+            } else {
                 self.free_slot(s);
-                continue;
             }
-            self.policy.on_ready(s);
-            if self.cfg.enable_events {
+            if self.cfg.enable_events && (success || self.v033()) {
                 self.events.push_key(key);
             }
         }
@@ -221,8 +421,12 @@ impl Manager {
         if success {
             self.stats.evictable += ended;
         }
-        if success && self.cfg.enable_events {
-            self.events.end_record(false);
+        if self.cfg.enable_events {
+            match success {
+                true => self.events.end_record(false),
+                false if self.v033() => self.events.end_record_metadata_only(),
+                false => {}
+            }
         }
         Ok(())
     }

@@ -10,6 +10,23 @@ pub enum Policy {
     Arc,
 }
 
+/// Which vLLM release's manager semantics a manager (and a scheduler) follows.
+///
+/// The differences, in short (`docs/design.md` has the full table): in 0.33 recency is
+/// request-scoped (a request's keys are ranked when it begins using them and committed, head
+/// newest, when it finishes; no per-step touch), LRU evicts a request's tail before its head,
+/// ARC promotes a reused key once per request and falls back to T1 when T2 has no candidate,
+/// the store threshold counts offers (stores) instead of lookups, and a lookup of a key whose
+/// store is in flight answers [`Lookup::HitPending`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Semantics {
+    /// vLLM 0.24 `CPUOffloadingManager`, bit for bit.
+    #[default]
+    Vllm024,
+    /// vLLM 0.33 `CPUOffloadingManager` with its `LRUCachePolicy` and `ARCCachePolicy`.
+    Vllm033,
+}
+
 /// Manager configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ManagerConfig {
@@ -20,15 +37,18 @@ pub struct ManagerConfig {
     pub num_slots: usize,
     /// Eviction policy.
     pub policy: Policy,
-    /// When `>= 2`, a key is stored only after it was looked up this many times.
+    /// When `>= 2`, a key is stored only after it was looked up (0.24) or offered to a store
+    /// (0.33) this many times.
     pub store_threshold: u32,
-    /// Keys the store-threshold filter tracks (least recently looked up dropped first); `>= 1`.
+    /// Keys the store-threshold filter tracks (least recently counted dropped first); `>= 1`.
     pub max_tracker_size: usize,
     /// Buffer stored / removed events for
     /// [`Manager::take_events`](super::Manager::take_events): at most
     /// `max(4 * num_slots, MIN_EVENT_KEYS)` keys, the oldest events dropped beyond that
     /// ([`ManagerStats::events_dropped`]).
     pub enable_events: bool,
+    /// The vLLM release whose semantics the manager follows.
+    pub semantics: Semantics,
 }
 
 impl Default for ManagerConfig {
@@ -40,6 +60,7 @@ impl Default for ManagerConfig {
             store_threshold: 0,
             max_tracker_size: 64_000,
             enable_events: false,
+            semantics: Semantics::Vllm024,
         }
     }
 }
@@ -51,9 +72,17 @@ pub enum Lookup {
     Miss,
     /// Stored and ready to load.
     Hit,
-    /// Its store is in flight: ask again later.
+    /// Its store is in flight: ask again later (vLLM 0.24 semantics).
     Retry,
+    /// Its store is in flight (vLLM 0.33 semantics; 0.24 answers [`Lookup::Retry`]).
+    HitPending,
 }
+
+/// A request's access record in a manager of vLLM 0.33 semantics (see
+/// [`Manager::begin_request`](super::Manager::begin_request)): a handle, valid from
+/// `begin_request` until `finish_request`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RequestId(pub u64);
 
 /// The answer of a prefix lookup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -109,7 +109,7 @@ impl Scheduler {
             }
         }
         r.jobs.retain(|&j| j != job_id);
-        if r.finished && r.jobs.is_empty() {
+        if r.finished && !r.final_pending && r.jobs.is_empty() {
             self.drop_request(job.request_id);
         }
         recycle(&mut self.spare_keys, job.keys);
@@ -120,7 +120,8 @@ impl Scheduler {
 
     /// Stops tracking `id`, keeping its buffers for a later request when they are small (at most
     /// 1024 requests of up to 16 KiB each are kept).
-    fn drop_request(&mut self, id: u64) {
+    pub(super) fn drop_request(&mut self, id: u64) {
+        self.commit(id);
         let Some(r) = self.requests.remove(&id) else {
             return;
         };
@@ -131,7 +132,10 @@ impl Scheduler {
     }
 
     /// Finishes (or aborts) a request; the host may reuse its GPU blocks at once. A load not yet
-    /// in a step is withdrawn (it never ships; its keys are unpinned). Without other jobs in
+    /// in a step is withdrawn (it never ships; its keys are unpinned). In 0.33 semantics the
+    /// next [`Self::build_step`] builds the request's final store jobs (the chunks its last step
+    /// computed, except chunks on blocks given to another request since), then commits its
+    /// recency to the tier; the rest below follows from there. Without other jobs in
     /// flight the request's state is dropped now; otherwise when its last job completes, and
     /// until then the GPU blocks those jobs touch (stores read them, loads write them) are
     /// fenced: a step that allocates one of them flushes those jobs, so the worker finishes them
@@ -141,6 +145,14 @@ impl Scheduler {
     /// finished one, changing nothing.
     pub fn finish_request(&mut self, id: u64) -> Result<()> {
         self.live_request(id)?;
+        if self.v033() {
+            // The next step builds its final store jobs from its blocks, then commits it.
+            self.release_blocks(id);
+            let r = self.requests.get_mut(&id).expect("checked");
+            (r.finished, r.final_pending) = (true, true);
+            self.finishing.push(id);
+            return Ok(());
+        }
         self.release_blocks(id);
         let r = self.requests.get_mut(&id).expect("checked");
         if r.jobs.is_empty() {
@@ -149,6 +161,15 @@ impl Scheduler {
             r.finished = true;
         }
         Ok(())
+    }
+
+    /// Commits request `id`'s record to the tier (vLLM 0.33 `on_request_finished`), once.
+    pub(super) fn commit(&mut self, id: u64) {
+        if let Some(record) = self.requests.get_mut(&id).and_then(|r| r.record.take()) {
+            self.manager
+                .finish_request(record)
+                .expect("a request's record is active until its commit");
+        }
     }
 
     /// The request gives its GPU blocks back while its jobs may still touch them: its load not
@@ -207,6 +228,11 @@ impl Scheduler {
             ));
         }
         self.flush.extend(self.jobs.keys().copied());
+        // 0.33: requests finished since the last step are committed (their final stores never
+        // happen).
+        for id in std::mem::take(&mut self.finishing) {
+            self.commit(id);
+        }
         self.requests.retain(|_, r| !r.finished);
         self.manager.reset();
         for r in self.requests.values_mut() {

@@ -23,7 +23,7 @@ impl Scheduler {
                     r.jobs
                 ));
             }
-            if r.finished && r.jobs.is_empty() {
+            if r.finished && !r.final_pending && r.jobs.is_empty() {
                 return bad(format!(
                     "finished request {id} without jobs is still tracked"
                 ));

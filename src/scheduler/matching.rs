@@ -24,7 +24,9 @@ impl Scheduler {
     /// Clears the request's GPU block ids (stale after a preemption). While the request has any
     /// job in flight it answers [`DeferReason::JobsInFlight`] at once, looking nothing up and
     /// touching nothing. Otherwise looks up the complete chunks after the GPU hit (a hit needs
-    /// at least one full chunk), then touches all the request's keys.
+    /// at least one full chunk), then (0.24 semantics) touches all the request's keys. In 0.33
+    /// semantics nothing is touched, and every call (also one that defers) rewinds the next
+    /// chunk to store to the first.
     ///
     /// Fails with [`Error::InvalidState`], changing nothing, if the request is finished or its
     /// block hashes do not cover its tokens.
@@ -49,16 +51,29 @@ impl Scheduler {
             // A request matched again has no GPU blocks: the ones its jobs touch are given back.
             self.release_blocks(id);
         }
+        let v033 = self.v033();
         let r = self.requests.get_mut(&id).expect("checked");
         r.block_ids.clear();
         r.recompute = None;
         r.matched_hit = None;
+        if v033 {
+            // vLLM 0.33: every match (also one that defers) offers the chunks again from the
+            // first, so chunks evicted while the request waited are stored again.
+            r.next_stored_chunk = 0;
+        }
         if in_flight {
             self.stats.deferred_jobs_in_flight += 1;
             return Ok(Match::Defer(DeferReason::JobsInFlight));
         }
         r.num_local_computed = num_computed_tokens;
-        let result = lookup(&mut self.manager, r, num_computed_tokens, chunk_tokens, kl)?;
+        let result = lookup(
+            &mut self.manager,
+            r,
+            num_computed_tokens,
+            chunk_tokens,
+            kl,
+            v033,
+        )?;
         match result {
             Match::Defer(DeferReason::StoreInFlight) => self.stats.deferred_store_in_flight += 1,
             Match::Defer(_) => self.stats.deferred_being_loaded += 1,
@@ -145,7 +160,19 @@ impl Scheduler {
             )));
         }
         self.scratch_slots.resize(keys.len() / kl, 0);
-        self.manager.prepare_load(keys, &mut self.scratch_slots)?;
+        let first = local_gpu / self.cfg.block_size_factor as u64;
+        match r.record {
+            Some(record) => {
+                let ct = chunk_tokens;
+                self.scratch_positions.clear();
+                self.scratch_positions
+                    .extend((first..num_chunks).map(|c| Request::position(c, ct)));
+                let positions = &self.scratch_positions;
+                self.manager
+                    .prepare_load_for(record, keys, positions, &mut self.scratch_slots)?
+            }
+            None => self.manager.prepare_load(keys, &mut self.scratch_slots)?,
+        };
         let job_id = self.next_job_id;
         self.next_job_id += 1;
         let dst = &block_ids[local_gpu as usize..num_gpu as usize];
@@ -188,18 +215,31 @@ fn being_loaded(m: &Manager, keys: &[u8], kl: usize) -> bool {
             .any(|k| m.ref_count(k).is_some_and(|rc| rc > 0))
 }
 
-/// The lookup of vLLM 0.24 `get_num_new_matched_tokens` for one full-attention group: the ready
-/// chunks after the GPU hit of `c` tokens, capped by the request's tokens. Then touches all the
-/// request's keys (in the same pass over the tier's index).
-fn lookup(m: &mut Manager, r: &Request, c: u64, chunk_tokens: u64, kl: usize) -> Result<Match> {
+/// The lookup of vLLM `get_num_new_matched_tokens` for one full-attention group: the ready
+/// chunks after the GPU hit of `c` tokens, capped by the request's tokens. In 0.24 semantics
+/// then touches all the request's keys (in the same pass over the tier's index).
+fn lookup(
+    m: &mut Manager,
+    r: &Request,
+    c: u64,
+    chunk_tokens: u64,
+    kl: usize,
+    v033: bool,
+) -> Result<Match> {
     let nk = r.num_keys(kl);
     let max_hit = r.num_tokens.min(nk * chunk_tokens);
     if max_hit < c.saturating_add(chunk_tokens) {
-        m.touch(&r.keys)?;
+        if !v033 {
+            m.touch(&r.keys)?;
+        }
         return Ok(Match::Miss);
     }
     let (start, end) = (c / chunk_tokens, max_hit.div_ceil(chunk_tokens).min(nk));
-    let p = m.lookup_prefix_touch(&r.keys, start as usize..end as usize)?;
+    let p = if v033 {
+        m.lookup_prefix(r.keys_of(kl, start, end))?
+    } else {
+        m.lookup_prefix_touch(&r.keys, start as usize..end as usize)?
+    };
     if p.hits == 0 {
         return Ok(Match::Miss);
     }

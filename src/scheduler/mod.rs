@@ -2,10 +2,13 @@
 //! request's transfers are in flight, load jobs after allocation, store jobs each step, flushes
 //! for preemption and GPU-block reuse, and job completion across workers.
 //!
-//! Behaviour follows vLLM 0.24's `OffloadingConnectorScheduler` for one full-attention KV group,
-//! with the differences listed in `docs/design.md`: failed jobs roll back (a failed load drops its
-//! keys and reports what to recompute), `reset` clears in-flight job sets, every pin is released,
-//! no GPU block is reused while a job touches it, and a call that fails changes nothing.
+//! Behaviour follows vLLM's `OffloadingConnectorScheduler` for one full-attention KV group, of
+//! the release [`SchedulerConfig::semantics`] names: 0.24, or 0.33 (no touch; keys carry their
+//! positions; a request's recency committed the step after it finishes, after its final store
+//! jobs; every match rewinds the next chunk to store to the first). The differences listed in
+//! `docs/design.md` hold in both: failed jobs roll back (a failed load drops its keys and
+//! reports what to recompute), `reset` clears in-flight job sets, every pin is released, no GPU
+//! block is reused while a job touches it, and a call that fails changes nothing.
 //!
 //! The files, one rule each: `types` (configuration, answers, stats), `matching` (the
 //! deferral rule, lookups, load jobs), `step` (a step's plan: store jobs and the flush set),
@@ -23,7 +26,7 @@ pub use jobs::JobReport;
 pub use types::{DeferReason, Match, Recompute, ScheduledRequest, SchedulerConfig, SchedulerStats};
 
 use crate::error::{Error, Result, invalid};
-use crate::manager::{EventLog, Manager, ManagerConfig, StorePlan};
+use crate::manager::{EventLog, Manager, ManagerConfig, Semantics, StorePlan};
 use crate::plan::{Direction, Step};
 use hashbrown::HashMap;
 use jobs::Job;
@@ -61,6 +64,13 @@ pub struct Scheduler {
     spare_blocks: Vec<Vec<u32>>,
     /// States of dropped requests, whose buffers new requests reuse.
     spare_requests: Vec<Request>,
+    /// vLLM 0.33: requests finished since the last step, in finish order; the next step builds
+    /// their final store jobs, then commits their records.
+    finishing: Vec<u64>,
+    /// Key positions of a load or store (0.33), and the GPU blocks allocated since the last
+    /// step, sorted (0.33 final stores leave out chunks on such blocks).
+    scratch_positions: Vec<u64>,
+    scratch_allocated: Vec<u32>,
 }
 
 impl Scheduler {
@@ -93,6 +103,7 @@ impl Scheduler {
             store_threshold: cfg.store_threshold,
             max_tracker_size: cfg.max_tracker_size,
             enable_events: cfg.enable_events,
+            semantics: cfg.semantics,
         })?;
         Ok(Self {
             cfg,
@@ -114,7 +125,16 @@ impl Scheduler {
             spare_keys: Vec::new(),
             spare_blocks: Vec::new(),
             spare_requests: Vec::new(),
+            finishing: Vec::new(),
+            scratch_positions: Vec::new(),
+            scratch_allocated: Vec::new(),
         })
+    }
+
+    /// Whether the scheduler follows vLLM 0.33 semantics.
+    #[inline]
+    fn v033(&self) -> bool {
+        self.cfg.semantics == Semantics::Vllm033
     }
 
     /// The configuration.
@@ -159,7 +179,9 @@ impl Scheduler {
             )));
         }
         let spare = self.spare_requests.pop().unwrap_or_default();
+        let record = self.v033().then(|| self.manager.begin_request());
         let r = Request {
+            record,
             prompt_tokens,
             num_tokens: prompt_tokens,
             max_offload_tokens,

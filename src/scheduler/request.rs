@@ -1,5 +1,7 @@
 //! Per-request state of the scheduler.
 
+use crate::manager::RequestId;
+
 /// One tracked request.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Request {
@@ -27,11 +29,24 @@ pub(crate) struct Request {
     pub build_mark: u64,
     /// Tokens to recompute after a failed load: `[from, to)`; reported until the next match.
     pub recompute: Option<(u64, u64)>,
+    /// vLLM 0.33: the request's access record in the tier, until it is committed (the step
+    /// after the request finished, or a reset).
+    pub record: Option<RequestId>,
+    /// Tokens whose KV is computed after the last step that scheduled the request.
+    pub computed: u64,
+    /// vLLM 0.33: finished, and its final store jobs and commit are due in the next step.
+    pub final_pending: bool,
 }
 
 impl Request {
     pub fn num_keys(&self, key_len: usize) -> u64 {
         (self.keys.len() / key_len) as u64
+    }
+
+    /// The position of chunk `c`'s key (vLLM 0.33 `set_offload_key_position`): the tokens up
+    /// to the end of the chunk.
+    pub fn position(c: u64, chunk_tokens: u64) -> u64 {
+        (c + 1) * chunk_tokens
     }
 
     /// Keys of chunks `from..to`, back to back.

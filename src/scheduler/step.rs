@@ -79,6 +79,7 @@ impl Scheduler {
             }
             let r = self.requests.get_mut(&s.request_id).expect("validated");
             r.num_tokens = s.num_tokens;
+            r.computed = s.num_computed_tokens + s.num_scheduled_tokens;
             if s.resumed {
                 r.block_ids.clear();
             }
@@ -93,6 +94,12 @@ impl Scheduler {
                 self.flush.push(j);
                 self.jobs.get_mut(&j).expect("in flight").released = true;
             }
+        }
+        if !self.finishing.is_empty() {
+            // Final stores leave out chunks on blocks given to another request since.
+            self.scratch_allocated.clear();
+            self.scratch_allocated.extend_from_slice(&self.allocated);
+            self.scratch_allocated.sort_unstable();
         }
         if self.fence.is_empty() {
             self.allocated.clear();
@@ -120,25 +127,76 @@ impl Scheduler {
             }
             self.scratch_chunks.push(n);
         }
+        let touches = !self.v033();
         for (i, s) in scheduled.iter().enumerate() {
-            // The next storing request touches all its keys: start their misses now (its store
-            // candidates, prefetched above, may have left the closer caches by now).
-            if let Some(next) = scheduled.get(i + 1) {
+            // The next storing request touches all its keys (0.24): start their misses now (its
+            // store candidates, prefetched above, may have left the closer caches by now).
+            if let Some(next) = scheduled.get(i + 1).filter(|_| touches) {
                 let r = &self.requests[&next.request_id];
                 if self.scratch_chunks[i + 1] > r.next_stored_chunk {
                     self.manager.prefetch(&r.keys);
                 }
             }
-            self.build_store_job(s, self.scratch_chunks[i], step);
+            self.build_store_job(s.request_id, self.scratch_chunks[i], step);
         }
+        self.finish_requests(step);
         step.set_flush(self.flush.drain(..));
         Ok(())
+    }
+
+    /// vLLM 0.33: the requests finished since the last step, in finish order, get their final
+    /// store jobs, then their records are committed to the tier; a request without jobs left is
+    /// dropped.
+    fn finish_requests(&mut self, step: &mut Step) {
+        let finishing = std::mem::take(&mut self.finishing);
+        for &id in &finishing {
+            let n = self.final_chunks(id);
+            self.build_store_job(id, n, step);
+            // Its blocks are given back: the new job enters the reuse fence at once.
+            self.release_blocks(id);
+        }
+        for &id in &finishing {
+            self.commit(id);
+            let r = self.requests.get_mut(&id).expect("finishing");
+            r.final_pending = false;
+            if r.jobs.is_empty() {
+                self.drop_request(id);
+            }
+        }
+        self.finishing = finishing;
+        self.finishing.clear();
+    }
+
+    /// The chunks a finished request may still offload (vLLM 0.33 `_build_store_jobs` of a
+    /// finished request): those whose KV was computed by its last step, with the usual limits,
+    /// up to the first chunk on a GPU block given to another request since the last step.
+    fn final_chunks(&self, id: u64) -> u64 {
+        let r = &self.requests[&id];
+        let f = self.cfg.block_size_factor as usize;
+        let n = self.limit_chunks(r, r.computed.min(r.num_tokens));
+        let n = n.min((r.block_ids.len() / f) as u64);
+        (r.next_stored_chunk..n)
+            .find(|&c| {
+                r.block_ids[c as usize * f..(c as usize + 1) * f]
+                    .iter()
+                    .any(|b| self.scratch_allocated.binary_search(b).is_ok())
+            })
+            .unwrap_or(n)
     }
 
     /// Complete chunks the request may offload after this step (limits applied).
     fn offloadable_chunks(&self, s: &ScheduledRequest<'_>) -> u64 {
         let r = &self.requests[&s.request_id];
-        let mut offloadable = (s.num_computed_tokens + s.num_scheduled_tokens).min(r.num_tokens);
+        self.limit_chunks(
+            r,
+            (s.num_computed_tokens + s.num_scheduled_tokens).min(r.num_tokens),
+        )
+    }
+
+    /// The complete chunks of `tokens` that request `r` may offload: capped by its
+    /// `max_offload_tokens`, its prompt (with `offload_prompt_only`) and its keys.
+    fn limit_chunks(&self, r: &super::Request, tokens: u64) -> u64 {
+        let mut offloadable = tokens;
         if let Some(cap) = r.max_offload_tokens {
             offloadable = offloadable.min(cap);
         }
@@ -148,20 +206,33 @@ impl Scheduler {
         (offloadable / self.chunk_tokens()).min(r.num_keys(self.cfg.key_len))
     }
 
-    /// The store job of one scheduled request (vLLM 0.24 `_get_reqs_to_store`, one request):
-    /// its complete chunks from `next_stored_chunk` to `n` (its offloadable chunks after this
-    /// step) not yet in the tier, if the tier has room; then all its keys are touched. Cannot
-    /// fail: the keys are the request's own, of the tier's width.
-    fn build_store_job(&mut self, s: &ScheduledRequest<'_>, n: u64, step: &mut Step) {
+    /// The store job of one request (vLLM `_get_reqs_to_store` / `_build_store_jobs`, one
+    /// request): its complete chunks from `next_stored_chunk` to `n` (its offloadable chunks
+    /// after this step) not yet in the tier, if the tier has room; then (0.24) all its keys are
+    /// touched. Cannot fail: the keys are the request's own, of the tier's width.
+    fn build_store_job(&mut self, id: u64, n: u64, step: &mut Step) {
         let (kl, f) = (self.cfg.key_len, self.cfg.block_size_factor as usize);
-        let r = self.requests.get_mut(&s.request_id).expect("validated");
+        let ct = self.chunk_tokens();
+        let r = self.requests.get_mut(&id).expect("validated");
         let start = r.next_stored_chunk;
         if n <= start {
-            r.next_stored_chunk = n;
+            // vLLM 0.33 never moves the index back here; 0.24 sets it.
+            r.next_stored_chunk = if r.record.is_some() { start } else { n };
             return;
         }
         let candidates = r.keys_of(kl, start, n);
-        match self.manager.prepare_store(candidates, &mut self.plan) {
+        let stored = match r.record {
+            Some(record) => {
+                self.scratch_positions.clear();
+                self.scratch_positions
+                    .extend((start..n).map(|c| super::Request::position(c, ct)));
+                let p = &self.scratch_positions;
+                self.manager
+                    .prepare_store_for(record, candidates, p, &mut self.plan)
+            }
+            None => self.manager.prepare_store(candidates, &mut self.plan),
+        };
+        match stored {
             Err(Error::NoRoom(_)) => {
                 self.stats.store_no_room += 1;
                 return;
@@ -173,9 +244,11 @@ impl Scheduler {
             }
             Ok(_) => {}
         }
-        self.manager
-            .touch(&r.keys)
-            .expect("a request's keys have the tier's width");
+        if r.record.is_none() {
+            self.manager
+                .touch(&r.keys)
+                .expect("a request's keys have the tier's width");
+        }
         // The stored chunks: usually one run (all but the already stored ones), copied at once.
         let (mut keys, mut blocks) = (
             take_cleared(&mut self.spare_keys),
@@ -201,7 +274,7 @@ impl Scheduler {
         step.push_job(
             job_id,
             Direction::Store,
-            s.request_id,
+            id,
             (first * f) as u32,
             &blocks,
             &self.plan.slots,
@@ -211,7 +284,7 @@ impl Scheduler {
         self.stats.store_jobs += 1;
         self.stats.stored_chunks += ix.len() as u64;
         let job = Job {
-            request_id: s.request_id,
+            request_id: id,
             kind: Direction::Store,
             pending: self.cfg.num_workers,
             failed: false,

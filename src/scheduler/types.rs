@@ -1,6 +1,6 @@
 //! The scheduler's configuration, its answers and its stats.
 
-use crate::manager::{ManagerConfig, ManagerStats, Policy};
+use crate::manager::{ManagerConfig, ManagerStats, Policy, Semantics};
 
 /// Scheduler configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +25,8 @@ pub struct SchedulerConfig {
     pub max_tracker_size: usize,
     /// Buffer stored / removed events.
     pub enable_events: bool,
+    /// The vLLM release whose semantics the scheduler and its tier follow.
+    pub semantics: Semantics,
 }
 
 impl Default for SchedulerConfig {
@@ -41,6 +43,7 @@ impl Default for SchedulerConfig {
             store_threshold: m.store_threshold,
             max_tracker_size: m.max_tracker_size,
             enable_events: m.enable_events,
+            semantics: m.semantics,
         }
     }
 }

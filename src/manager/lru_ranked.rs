@@ -1,0 +1,344 @@
+//! LRU policy of vLLM 0.33 (`LRUCachePolicy`): every stored key (any state) has a logical rank
+//! `(major, minor)`, and eviction takes the ready, idle, unprotected keys in ascending
+//! `(major, minor, key bytes)` order. A fresh rank is `(n, 0)` for a new number `n` ("used
+//! now"); a request takes one number `r` (its request rank) the first time it needs one, and
+//! its keys get the provisional rank `(r, -position)`, so that a request's tail is evicted
+//! before its head. Becoming ready or pinned changes no rank.
+//!
+//! vLLM keeps a lazily invalidated heap; this is one linked list in rank order instead, with
+//! the same order, ties included. Numbers are handed out in increasing order and every number
+//! goes to the back when it is taken, so the list is the order of the majors: a fresh rank is
+//! a push to the back, and a request rank is an *anchor* (a pair of sentinel nodes pushed to
+//! the back when the number is taken) between which the request's provisional keys are kept
+//! sorted by `(minor, key bytes)`. Node ids are the slots, then the anchors' sentinels.
+
+use super::keys::KeyTable;
+use super::list::{Links, List};
+use super::policy::{EvictionPolicy, NewKey};
+use super::record::NO_POS;
+use super::{NO_ID, SlotState};
+
+/// A node's rank. The minor of a provisional rank is `u64::MAX - position` (the order of
+/// `-position`); a fresh rank's is 0 (a fresh major is never a request's, so the two kinds of
+/// minor are never compared).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+struct Rank {
+    major: u64,
+    minor: u64,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct RankedLruPolicy {
+    num_slots: u32,
+    links: Links<Rank>,
+    list: List,
+    /// The last number handed out (vLLM's `_next_rank`).
+    counter: u64,
+    /// Anchors (their first sentinel's id) free for reuse, and how many were ever made.
+    free_anchors: Vec<u32>,
+    anchors_made: u32,
+}
+
+/// The provisional minor of `position`.
+#[inline]
+fn minor_of(position: u64) -> u64 {
+    u64::MAX - position
+}
+
+impl RankedLruPolicy {
+    #[inline]
+    fn is_slot(&self, id: u32) -> bool {
+        id < self.num_slots
+    }
+
+    #[inline]
+    fn fresh(&mut self) -> u64 {
+        self.counter += 1;
+        self.counter
+    }
+
+    /// Gives slot `s` a fresh rank: it becomes the last of the list.
+    #[inline]
+    fn give_fresh(&mut self, s: u32) {
+        let major = self.fresh();
+        if self.links.is_linked(s) {
+            self.links.unlink(&mut self.list, s);
+        }
+        *self.links.data_mut(s) = Rank { major, minor: 0 };
+        self.links.push_back(&mut self.list, s);
+    }
+
+    /// A new anchor with a fresh number, at the back; returns its first sentinel.
+    fn take_anchor(&mut self) -> u32 {
+        let a = self.free_anchors.pop().unwrap_or_else(|| {
+            let a = self.num_slots + 2 * self.anchors_made;
+            self.anchors_made += 1;
+            self.links.grow_to(a as usize + 2);
+            a
+        });
+        let major = self.fresh();
+        for id in [a, a + 1] {
+            *self.links.data_mut(id) = Rank { major, minor: 0 };
+            self.links.push_back(&mut self.list, id);
+        }
+        a
+    }
+
+    /// The rank order of slots `a` and `b` with ranks `ra`, `rb` (key bytes break ties).
+    #[inline]
+    fn before(keys: &KeyTable, a: (u32, Rank), b: (u32, Rank)) -> bool {
+        (a.1, keys.key(a.0)) < (b.1, keys.key(b.0))
+    }
+
+    /// Gives slot `s` the provisional rank `(major of anchor a, minor)`: it moves between the
+    /// anchor's sentinels, at its place in `(minor, key bytes)` order.
+    fn place(&mut self, s: u32, a: u32, minor: u64, keys: &KeyTable) {
+        if self.links.is_linked(s) {
+            self.links.unlink(&mut self.list, s);
+        }
+        let rank = Rank {
+            major: self.links.data(a).major,
+            minor,
+        };
+        *self.links.data_mut(s) = rank;
+        let (first, end) = (self.links.next(a), a + 1);
+        let at = if first == end || Self::before(keys, (s, rank), (first, *self.links.data(first)))
+        {
+            // Typical: a request records its keys head first, so each has the smallest minor.
+            first
+        } else {
+            let last = self.links.prev(end);
+            if Self::before(keys, (last, *self.links.data(last)), (s, rank)) {
+                end
+            } else {
+                let mut c = self.links.next(first);
+                while Self::before(keys, (c, *self.links.data(c)), (s, rank)) {
+                    c = self.links.next(c);
+                }
+                c
+            }
+        };
+        self.links.insert_before(&mut self.list, at, s);
+    }
+
+    /// Frees anchor `a`, whose keys have all left it.
+    fn release_anchor(&mut self, a: u32) {
+        debug_assert_eq!(self.links.next(a), a + 1, "anchor {a} still holds keys");
+        for id in [a, a + 1] {
+            self.links.unlink(&mut self.list, id);
+        }
+        self.free_anchors.push(a);
+    }
+
+    /// The slots in rank order, oldest first (tests).
+    #[cfg(test)]
+    pub fn order(&self) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut c = self.list.head;
+        while c != NO_ID {
+            if self.is_slot(c) {
+                out.push(c);
+            }
+            c = self.links.next(c);
+        }
+        out
+    }
+
+    /// The rank `(major, minor)` of slot `s` as vLLM writes it (`minor` = `-position` or 0).
+    #[cfg(test)]
+    pub fn rank(&self, s: u32) -> (u64, i128) {
+        let r = self.links.data(s);
+        let minor = if r.minor == 0 {
+            0
+        } else {
+            i128::from(r.minor) - i128::from(u64::MAX)
+        };
+        (r.major, minor)
+    }
+}
+
+impl EvictionPolicy for RankedLruPolicy {
+    /// Ids beyond the slots name anchors (two per active request).
+    const MAX_SLOTS: usize = (u32::MAX / 2) as usize;
+
+    fn new(num_slots: usize, _keys: &mut KeyTable) -> crate::Result<Self> {
+        Ok(Self {
+            num_slots: num_slots as u32,
+            links: Links::with_capacity(num_slots)?,
+            list: List::default(),
+            counter: 0,
+            free_anchors: Vec::new(),
+            anchors_made: 0,
+        })
+    }
+
+    #[inline]
+    fn free_entry(slot: u32) -> u32 {
+        slot
+    }
+
+    #[inline]
+    fn id_of_entry(&self, e: u32) -> u32 {
+        e
+    }
+
+    /// A key with a position gets the request's provisional rank (the request rank taken now
+    /// if the request has none); one without a fresh rank.
+    #[inline]
+    fn insert(&mut self, new: NewKey<'_>, keys: &mut KeyTable, rank: &mut u32) -> u32 {
+        keys.insert_hashed(new.hash, new.slot, new.key);
+        if new.position == NO_POS {
+            self.give_fresh(new.slot);
+        } else {
+            if *rank == NO_ID {
+                *rank = self.take_anchor();
+            }
+            self.place(new.slot, *rank, minor_of(new.position), keys);
+        }
+        new.slot
+    }
+
+    #[inline]
+    fn on_pinned(&mut self, _slot: u32) {}
+
+    #[inline]
+    fn on_ready(&mut self, _slot: u32) {}
+
+    /// Every stored key among `ids`, last first, gets a fresh rank (pinned and in-flight keys
+    /// too): the first ends newest.
+    #[inline]
+    fn touch(&mut self, ids: &[u32], _slots: &[SlotState]) {
+        for &s in ids.iter().rev() {
+            if self.is_slot(s) {
+                self.give_fresh(s);
+            }
+        }
+    }
+
+    /// Takes the request rank if the request has none (even when no key qualifies), then
+    /// raises each stored key with a position to the provisional rank if that is newer than
+    /// its rank (a key never gets older).
+    fn on_request_access(
+        &mut self,
+        ids: &[u32],
+        positions: &[u64],
+        rank: &mut u32,
+        keys: &KeyTable,
+    ) {
+        if *rank == NO_ID {
+            *rank = self.take_anchor();
+        }
+        let major = self.links.data(*rank).major;
+        for (&s, &p) in ids.iter().zip(positions) {
+            if !self.is_slot(s) || p == NO_POS {
+                continue;
+            }
+            let provisional = Rank {
+                major,
+                minor: minor_of(p),
+            };
+            if provisional > *self.links.data(s) {
+                self.place(s, *rank, provisional.minor, keys);
+            }
+        }
+    }
+
+    /// The commit: the stored keys among `ids` (head to tail), tail first, get fresh ranks, so
+    /// the request's head ends newest; the request's anchor is freed.
+    fn on_request_finished(&mut self, ids: &[u32], _flags: &[u8], _slots: &[SlotState], rank: u32) {
+        for &s in ids.iter().rev() {
+            if self.is_slot(s) {
+                self.give_fresh(s);
+            }
+        }
+        if rank != NO_ID {
+            self.release_anchor(rank);
+        }
+    }
+
+    /// The first `n` ready, idle, unprotected slots in rank order.
+    #[inline]
+    fn pick_victims(&self, n: usize, slots: &[SlotState], epoch: u32, out: &mut Vec<u32>) -> bool {
+        let mut c = self.list.head;
+        while out.len() < n && c != NO_ID {
+            if self.is_slot(c) && slots[c as usize].is_evictable(epoch) {
+                out.push(c);
+            }
+            c = self.links.next(c);
+        }
+        out.len() == n
+    }
+
+    #[inline]
+    fn evict(&mut self, victims: &[u32], _slots: &mut [SlotState], keys: &mut KeyTable) {
+        for &s in victims {
+            self.links.unlink(&mut self.list, s);
+            keys.remove_id(s);
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, slot: u32, _slots: &mut [SlotState], keys: &mut KeyTable) {
+        self.links.unlink(&mut self.list, slot);
+        keys.remove_id(slot);
+    }
+
+    /// Drops every key and anchor; numbers start again at 1.
+    fn clear(&mut self, _slots: &mut [SlotState]) {
+        self.links.clear(&mut self.list);
+        self.free_anchors.clear();
+        self.anchors_made = 0;
+        self.counter = 0;
+    }
+
+    fn num_remembered(&self) -> usize {
+        0
+    }
+
+    /// The list holds every occupied slot once, in strictly increasing `(rank, key)` order,
+    /// and each anchor's keys carry its major.
+    fn check(
+        &self,
+        _slots: &[SlotState],
+        occupied: &[bool],
+        used: usize,
+        _idle: u64,
+    ) -> Result<(), String> {
+        let (mut c, mut keys_seen, mut last): (u32, usize, Option<Rank>) =
+            (self.list.head, 0, None);
+        let mut open_anchor: Option<u32> = None;
+        while c != NO_ID {
+            let r = *self.links.data(c);
+            if self.is_slot(c) {
+                if !occupied[c as usize] {
+                    return Err(format!("ranked LRU lists free slot {c}"));
+                }
+                keys_seen += 1;
+                if let Some(a) = open_anchor
+                    && self.links.data(a).major != r.major
+                {
+                    return Err(format!("slot {c} sits in another request's anchor"));
+                }
+                if last.is_some_and(|l| l > r) {
+                    return Err(format!("ranked LRU out of order at slot {c}"));
+                }
+                last = Some(r);
+            } else {
+                let first = (c - self.num_slots).is_multiple_of(2);
+                match (first, open_anchor) {
+                    (true, None) => open_anchor = Some(c),
+                    (false, Some(a)) if a + 1 == c => open_anchor = None,
+                    _ => return Err(format!("anchor sentinel {c} out of place")),
+                }
+                if last.is_some_and(|l| l.major > r.major) {
+                    return Err(format!("anchor {c} out of order"));
+                }
+            }
+            c = self.links.next(c);
+        }
+        if keys_seen != used {
+            return Err(format!("ranked LRU lists {keys_seen} keys, {used} used"));
+        }
+        Ok(())
+    }
+}

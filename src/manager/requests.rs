@@ -1,0 +1,224 @@
+//! Request-scoped calls (vLLM 0.33 `on_new_request`, the context argument of `prepare_load`
+//! and `prepare_store`, and `on_request_finished`): a request records the keys it observes, in
+//! first-observation order with their positions, which of them it inserted and which it
+//! reused; when it finishes, its record is committed to the policy head to tail (LRU: fresh
+//! ranks, head newest; ARC: promotion of the reused keys).
+//!
+//! In 0.24 semantics the same calls are accepted and the record is not kept: a request
+//! changes nothing (vLLM 0.24 `on_request_finished` is a no-op for the CPU manager).
+
+use super::record::{NO_POS, REUSED};
+use super::{Manager, NO_ID, RequestId, StorePlan};
+use crate::error::{Error, Result, invalid};
+
+impl Manager {
+    /// Begins a request (vLLM 0.33 `on_new_request`): an empty access record, valid until
+    /// [`Self::finish_request`].
+    pub fn begin_request(&mut self) -> RequestId {
+        self.records.begin(self.generation)
+    }
+
+    /// Requests begun and not finished.
+    pub fn num_active_requests(&self) -> usize {
+        self.records.num_active()
+    }
+
+    /// Finishes request `req` (vLLM 0.33 `on_request_finished`): its record is committed to
+    /// the policy, unless a [`Self::reset`] came after its last use (then nothing is), and the
+    /// handle ends. Fails with [`Error::InvalidArgument`], changing nothing, if `req` is not an
+    /// active request.
+    pub fn finish_request(&mut self, req: RequestId) -> Result<()> {
+        let i = self.records.index(req)?;
+        if self.v033() && self.records.get(i).generation == self.generation {
+            self.commit(i);
+        }
+        self.records.end(i);
+        Ok(())
+    }
+
+    /// [`Self::prepare_load`] for request `req`, with the keys' `positions` (tokens up to the
+    /// end of each key's block; empty: none): in 0.33 semantics the loaded keys are recorded
+    /// as reused (unless the request inserted them). Fails as `prepare_load` does, or with
+    /// [`Error::InvalidArgument`] for a bad `req` or `positions`, changing nothing.
+    pub fn prepare_load_for(
+        &mut self,
+        req: RequestId,
+        keys: &[u8],
+        positions: &[u64],
+        out_slots: &mut [u32],
+    ) -> Result<usize> {
+        let i = self.records.index(req)?;
+        let n = self.check_keys(keys, "keys")?;
+        check_positions(positions, n)?;
+        let n = self.prepare_load(keys, out_slots)?;
+        if self.v033() {
+            self.record_loads(i, keys, positions, n);
+        }
+        Ok(n)
+    }
+
+    /// [`Self::prepare_store`] for request `req`, with the keys' `positions` (empty: none). In
+    /// 0.33 semantics the request's record and its store misses are kept even when the answer
+    /// is [`Error::NoRoom`] (as vLLM 0.33 keeps them); a bad argument changes nothing.
+    pub fn prepare_store_for(
+        &mut self,
+        req: RequestId,
+        keys: &[u8],
+        positions: &[u64],
+        plan: &mut StorePlan,
+    ) -> Result<super::StoreCounts> {
+        let i = self.records.index(req)?;
+        let n = self.check_keys(keys, "keys")?;
+        check_positions(positions, n)?;
+        plan.indices.resize(n, 0);
+        plan.slots.resize(n, 0);
+        plan.evicted.resize(n * self.cfg.key_len, 0);
+        let r = self.prepare_store_checked(
+            Some(i),
+            keys,
+            positions,
+            &mut plan.indices,
+            &mut plan.slots,
+            &mut plan.evicted,
+        );
+        let c = r.as_ref().copied().unwrap_or_default();
+        plan.indices.truncate(c.stored);
+        plan.slots.truncate(c.stored);
+        plan.evicted.truncate(c.evicted * self.cfg.key_len);
+        r
+    }
+
+    /// [`Self::prepare_store_into`] for request `req` with `positions` (see
+    /// [`Self::prepare_store_for`]).
+    pub fn prepare_store_for_into(
+        &mut self,
+        req: RequestId,
+        keys: &[u8],
+        positions: &[u64],
+        out_indices: &mut [u32],
+        out_slots: &mut [u32],
+        out_evicted: &mut [u8],
+    ) -> Result<super::StoreCounts> {
+        let i = self.records.index(req)?;
+        let n = self.check_keys(keys, "keys")?;
+        check_positions(positions, n)?;
+        self.prepare_store_checked(
+            Some(i),
+            keys,
+            positions,
+            out_indices,
+            out_slots,
+            out_evicted,
+        )
+    }
+
+    /// Records the `n` resolved keys of a load by record `i` as observed and reused.
+    fn record_loads(&mut self, i: usize, keys: &[u8], positions: &[u64], n: usize) {
+        let kl = self.cfg.key_len;
+        self.scratch_access_ids.clear();
+        self.scratch_access_pos.clear();
+        let rec = self.records.current(i, self.generation);
+        for (k, key) in keys.chunks_exact(kl).enumerate().take(n) {
+            let (h, id) = (self.scratch_hash[k], self.scratch_ids[k]);
+            let p = positions.get(k).copied().unwrap_or(NO_POS);
+            let j = match rec.find(h, key) {
+                Some(j) => {
+                    rec.set_position(j, p);
+                    j
+                }
+                None => {
+                    self.scratch_access_ids.push(id);
+                    self.scratch_access_pos.push(p);
+                    rec.push(h, key, p)
+                }
+            };
+            let f = &mut rec.flags[j as usize];
+            if *f & super::record::INSERTED == 0 {
+                *f |= REUSED;
+            }
+        }
+        if !self.scratch_access_ids.is_empty() {
+            let rank = &mut rec.rank;
+            self.policy.on_request_access(
+                &self.scratch_access_ids,
+                &self.scratch_access_pos,
+                rank,
+                &self.keys,
+            );
+        }
+    }
+
+    /// Commits record `i` (current): its keys head to tail — by position when every key has
+    /// one, else by group (the key's last four bytes, big-endian) then first observation —
+    /// with their flags, to the policy.
+    fn commit(&mut self, i: usize) {
+        let kl = self.cfg.key_len;
+        let rec = self.records.get(i);
+        let n = rec.len();
+        self.scratch_order.clear();
+        self.scratch_order.extend(0..n as u32);
+        let group = |j: &u32| {
+            let key = rec.key(*j as usize, kl);
+            let g = &key[key.len().saturating_sub(4)..];
+            g.iter().fold(0u32, |acc, &b| acc << 8 | u32::from(b))
+        };
+        if !self.scratch_order.is_sorted_by_key(group) {
+            self.scratch_order.sort_by_key(group);
+        }
+        let position = |j: &u32| rec.positions[*j as usize];
+        if rec.unpositioned == 0 && !self.scratch_order.is_sorted_by_key(position) {
+            self.scratch_order.sort_by_key(position);
+        }
+        self.scratch_access_ids.clear();
+        self.scratch_flags.clear();
+        for &j in &self.scratch_order {
+            let j = j as usize;
+            let id = self
+                .keys
+                .find_hashed(rec.hashes[j], rec.key(j, kl))
+                .map_or(NO_ID, |e| self.policy.id_of_entry(e));
+            self.scratch_access_ids.push(id);
+            self.scratch_flags.push(rec.flags[j]);
+        }
+        self.policy.on_request_finished(
+            &self.scratch_access_ids,
+            &self.scratch_flags,
+            &self.slots,
+            rec.rank,
+        );
+    }
+
+    /// Begins the anonymous request of a 0.33 call made without one (vLLM: a fresh context
+    /// per call); [`Self::end_anonymous`] ends it without a commit.
+    pub(super) fn begin_anonymous(&mut self) -> usize {
+        let id = self.records.begin(self.generation);
+        self.records.index(id).expect("a request just begun")
+    }
+
+    /// Ends anonymous request `i`, releasing the policy rank it may have taken (it has no
+    /// positioned key, so nothing is ranked by it).
+    pub(super) fn end_anonymous(&mut self, i: usize) {
+        let rank = self.records.get(i).rank;
+        if rank != NO_ID {
+            self.policy.on_request_finished(&[], &[], &self.slots, rank);
+        }
+        self.records.end(i);
+    }
+}
+
+/// Checks that `positions` is empty or gives one position per key, none `u64::MAX`.
+fn check_positions(positions: &[u64], n: usize) -> Result<()> {
+    if !positions.is_empty() && positions.len() != n {
+        return Err(invalid!(
+            "positions: {} positions for {n} keys",
+            positions.len()
+        ));
+    }
+    if let Some(i) = positions.iter().position(|&p| p == NO_POS) {
+        return Err(Error::InvalidArgument(format!(
+            "positions[{i}]: {} is reserved for \"no position\"",
+            NO_POS
+        )));
+    }
+    Ok(())
+}
