@@ -287,3 +287,5 @@ fn recycle<T>(spare: &mut Vec<Vec<T>>, v: Vec<T>) {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_vllm033;
