@@ -383,7 +383,8 @@ typedef struct kvo_manager_config {
    */
   uint64_t num_slots;
   /**
-   * When >= 2, a key is stored only after this many lookups (default 0: off).
+   * When >= 2, a key is stored only after this many lookups (`KVO_SEMANTICS_VLLM_0_24`) or
+   * offers to a store (`KVO_SEMANTICS_VLLM_0_33`) (default 0: off).
    */
   uint32_t store_threshold;
   /**
@@ -534,7 +535,8 @@ typedef struct kvo_scheduler_config {
    */
   uint32_t offload_prompt_only;
   /**
-   * When >= 2, a chunk is stored only after this many lookups (default 0: off).
+   * When >= 2, a chunk is stored only after this many lookups (0.24) or store offers (0.33)
+   * (default 0: off).
    */
   uint32_t store_threshold;
   /**
@@ -973,8 +975,9 @@ void kvo_manager_free(struct kvo_manager *m);
 
 /**
  * Looks up one key of `key_len` bytes and writes a `kvo_lookup` value to `*out_result`
- * (`KVO_LOOKUP_RETRY`: its store is in flight). Counts the lookup for the store threshold; does
- * not change recency.
+ * (its store in flight: `KVO_LOOKUP_RETRY` with `KVO_SEMANTICS_VLLM_0_24`,
+ * `KVO_LOOKUP_HIT_PENDING` with `KVO_SEMANTICS_VLLM_0_33`). With 0.24 semantics the lookup
+ * counts for the store threshold. Does not change recency.
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `m`, `key` or `out_result` is NULL.
  *
@@ -1065,7 +1068,9 @@ kvo_status kvo_manager_complete_load(struct kvo_manager *m,
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` on
  * overflow; `KVO_STATUS_BUFFER_TOO_SMALL` if `out_cap < n_keys` (writes `n_keys` to
  * `*out_n_store`); `KVO_STATUS_NO_ROOM` when not enough can be evicted now (a normal answer:
- * retry on a later step). On any failure nothing changes.
+ * retry on a later step). On any failure nothing changes, except that with
+ * `KVO_SEMANTICS_VLLM_0_33` a `KVO_STATUS_NO_ROOM` answer keeps what
+ * `kvo_manager_prepare_store_for` says. Without a request, a 0.33 store is one of its own.
  *
  * With `KVO_POLICY_ARC`, `KVO_STATUS_NO_ROOM` can come while `kvo_manager_stats.evictable` is at
  * least the number of slots needed: like vLLM 0.24's ARC (deliberately copied, so that replays
@@ -1208,6 +1213,85 @@ KVO_NODISCARD kvo_status kvo_manager_reset(struct kvo_manager *m);
  * `m` is NULL or a live handle.
  */
 KVO_NODISCARD kvo_status kvo_manager_check_invariants(const struct kvo_manager *m);
+
+/**
+ * Begins a request (vLLM 0.33 `on_new_request`): its access record, valid until
+ * `kvo_manager_finish_request`, is written to `*out_request`.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `m` or `out_request` is NULL.
+ *
+ * # Safety
+ * `m` is NULL or a live manager; `out_request` NULL or writable.
+ */
+KVO_NODISCARD kvo_status kvo_manager_begin_request(struct kvo_manager *m, uint64_t *out_request);
+
+/**
+ * Finishes request `request` (vLLM 0.33 `on_request_finished`): commits its recency to the
+ * policy (LRU: its keys become the newest, its head newest of all; ARC: the keys it reused are
+ * promoted), unless `kvo_manager_reset` came after its last use; the handle then ends. Loads
+ * and stores already prepared for it may still be completed.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `m` is NULL;
+ * `KVO_STATUS_INVALID_ARGUMENT` if `request` is not an active request (nothing changed).
+ *
+ * # Safety
+ * `m` is NULL or a live manager.
+ */
+KVO_NODISCARD kvo_status kvo_manager_finish_request(struct kvo_manager *m, uint64_t request);
+
+/**
+ * `kvo_manager_prepare_load` for request `request`, with the keys' `positions` (tokens up to
+ * the end of each key's block; NULL: none): the loaded keys are recorded as reused by the
+ * request, and (LRU) ranked as its keys at those positions, never older than they were.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for an
+ * inactive `request`, a position equal to `UINT64_MAX`, or overflow;
+ * `KVO_STATUS_BUFFER_TOO_SMALL` if `slots_cap < n_keys`; `KVO_STATUS_NOT_FOUND` if a key is not
+ * stored; `KVO_STATUS_INVALID_STATE` if a key's store is in flight. On failure nothing changes.
+ *
+ * # Safety
+ * `keys` is NULL or `n_keys * key_len` readable bytes; `positions` NULL or `n_keys` readable
+ * values; `out_slots` NULL or `slots_cap` writable.
+ */
+KVO_NODISCARD
+kvo_status kvo_manager_prepare_load_for(struct kvo_manager *m,
+                                        uint64_t request,
+                                        const uint8_t *keys,
+                                        const uint64_t *positions,
+                                        size_t n_keys,
+                                        uint32_t *out_slots,
+                                        size_t slots_cap);
+
+/**
+ * `kvo_manager_prepare_store` for request `request`, with the keys' `positions` (NULL: none).
+ * With `KVO_SEMANTICS_VLLM_0_33` (vLLM 0.33 `prepare_store`): every key offered counts for the
+ * store threshold; only keys not stored are candidates and only they are filtered by it; the
+ * candidates this request has not offered before are reported to the policy (ARC adapts its
+ * target on keys it remembers); the candidates and the ready keys (these as reused) are recorded
+ * for the request; eviction never takes a key of the offer.
+ *
+ * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` for an
+ * inactive `request`, a position equal to `UINT64_MAX`, or overflow (nothing changed);
+ * `KVO_STATUS_BUFFER_TOO_SMALL` if `out_cap < n_keys` (writes `n_keys` to `*out_n_store`;
+ * nothing changed); `KVO_STATUS_NO_ROOM` when not enough can be evicted now (a normal answer:
+ * retry on a later step): in 0.33 semantics the offer's threshold counts, the policy's
+ * adaptation and the request's record are kept, as vLLM 0.33 keeps them; nothing else changes.
+ *
+ * # Safety
+ * As `kvo_manager_prepare_store`; `positions` NULL or `n_keys` readable values.
+ */
+KVO_NODISCARD
+kvo_status kvo_manager_prepare_store_for(struct kvo_manager *m,
+                                         uint64_t request,
+                                         const uint8_t *keys,
+                                         const uint64_t *positions,
+                                         size_t n_keys,
+                                         uint32_t *out_indices,
+                                         uint32_t *out_slots,
+                                         uint8_t *out_evicted_keys,
+                                         size_t out_cap,
+                                         size_t *out_n_store,
+                                         size_t *out_n_evicted);
 
 /**
  * Fills `out` with the defaults and `struct_size = sizeof(kvo_scheduler_config)`.

@@ -58,7 +58,8 @@ pub struct kvo_manager_config {
     pub policy: u32,
     /// Number of host slots: below 2^32 - 1 for LRU, at most (2^32 - 1) / 5 for ARC (default 0).
     pub num_slots: u64,
-    /// When >= 2, a key is stored only after this many lookups (default 0: off).
+    /// When >= 2, a key is stored only after this many lookups (`KVO_SEMANTICS_VLLM_0_24`) or
+    /// offers to a store (`KVO_SEMANTICS_VLLM_0_33`) (default 0: off).
     pub store_threshold: u32,
     /// Non-zero: buffer events for `kvo_manager_take_events` (default 0). The buffer holds at most
     /// max(4 * num_slots, 65536) keys: beyond that the oldest events are dropped (counted in
@@ -143,7 +144,7 @@ pub struct kvo_manager {
 }
 
 impl kvo_manager {
-    fn get(&self) -> Result<std::sync::MutexGuard<'_, Manager>, Failure> {
+    pub(super) fn get(&self) -> Result<std::sync::MutexGuard<'_, Manager>, Failure> {
         lock(&self.inner, "manager")
     }
 }
@@ -274,7 +275,7 @@ pub unsafe extern "C" fn kvo_manager_free(m: *mut kvo_manager) {
 ///
 /// # Safety
 /// As for the exported functions: `m` NULL or live, `keys` NULL or `n_keys * key_len` bytes.
-unsafe fn with_keys(
+pub(super) unsafe fn with_keys(
     m: *mut kvo_manager,
     keys: *const u8,
     n_keys: usize,
@@ -295,8 +296,9 @@ unsafe fn with_keys(
 }
 
 /// Looks up one key of `key_len` bytes and writes a `kvo_lookup` value to `*out_result`
-/// (`KVO_LOOKUP_RETRY`: its store is in flight). Counts the lookup for the store threshold; does
-/// not change recency.
+/// (its store in flight: `KVO_LOOKUP_RETRY` with `KVO_SEMANTICS_VLLM_0_24`,
+/// `KVO_LOOKUP_HIT_PENDING` with `KVO_SEMANTICS_VLLM_0_33`). With 0.24 semantics the lookup
+/// counts for the store threshold. Does not change recency.
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `m`, `key` or `out_result` is NULL.
 ///
@@ -441,7 +443,9 @@ pub unsafe extern "C" fn kvo_manager_complete_load(
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT`; `KVO_STATUS_INVALID_ARGUMENT` on
 /// overflow; `KVO_STATUS_BUFFER_TOO_SMALL` if `out_cap < n_keys` (writes `n_keys` to
 /// `*out_n_store`); `KVO_STATUS_NO_ROOM` when not enough can be evicted now (a normal answer:
-/// retry on a later step). On any failure nothing changes.
+/// retry on a later step). On any failure nothing changes, except that with
+/// `KVO_SEMANTICS_VLLM_0_33` a `KVO_STATUS_NO_ROOM` answer keeps what
+/// `kvo_manager_prepare_store_for` says. Without a request, a 0.33 store is one of its own.
 ///
 /// With `KVO_POLICY_ARC`, `KVO_STATUS_NO_ROOM` can come while `kvo_manager_stats.evictable` is at
 /// least the number of slots needed: like vLLM 0.24's ARC (deliberately copied, so that replays

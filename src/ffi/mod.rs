@@ -8,6 +8,7 @@
 #![allow(non_camel_case_types)]
 
 mod manager;
+mod manager_requests;
 mod metrics;
 mod scheduler;
 mod status;
@@ -15,6 +16,7 @@ mod step;
 mod worker;
 
 pub use manager::*;
+pub use manager_requests::*;
 pub use metrics::kvo_label;
 pub use scheduler::*;
 pub use status::kvo_status;

@@ -61,7 +61,8 @@ pub struct kvo_scheduler_config {
     pub num_workers: u32,
     /// Non-zero: offload prompt tokens only (default 1).
     pub offload_prompt_only: u32,
-    /// When >= 2, a chunk is stored only after this many lookups (default 0: off).
+    /// When >= 2, a chunk is stored only after this many lookups (0.24) or store offers (0.33)
+    /// (default 0: off).
     pub store_threshold: u32,
     /// Non-zero: buffer events for `kvo_scheduler_take_events` (default 0), bounded as the
     /// manager's (`kvo_manager_config.enable_events`).
