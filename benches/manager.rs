@@ -1,10 +1,11 @@
 //! Manager benchmarks: prefix lookup (LRU) and store throughput (LRU and ARC) on a 1M-slot
-//! tier (8- and 32-byte keys), and the conversation-trace replay (5,859 slots, LRU and ARC)
-//! through the Rust API and the C ABI, each on a fresh tier made outside the timing. Run:
+//! tier (8- and 32-byte keys), and the conversation-trace replay (5,859 slots, LRU and ARC, in
+//! vLLM 0.24 and 0.33 semantics) through the Rust API and the C ABI, each on a fresh tier made
+//! outside the timing. Run:
 //! `cargo bench --bench manager`.
 
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvoffload::manager::{Manager, ManagerConfig, Policy, StorePlan};
+use kvoffload::manager::{Manager, ManagerConfig, Policy, Semantics, StorePlan};
 #[path = "common/tier_replay.rs"]
 mod tier_replay;
 use std::hint::black_box;
@@ -104,35 +105,38 @@ fn trace_replay(c: &mut Criterion) {
     let mut g = c.benchmark_group("replay_conversation_5859_slots");
     g.sample_size(10);
     g.throughput(Throughput::Elements(blocks));
-    for policy in [Policy::Lru, Policy::Arc] {
+    for (policy, semantics) in [
+        (Policy::Lru, Semantics::Vllm024),
+        (Policy::Arc, Semantics::Vllm024),
+        (Policy::Lru, Semantics::Vllm033),
+        (Policy::Arc, Semantics::Vllm033),
+    ] {
         let cfg = ManagerConfig {
             key_len: 8,
             num_slots: 5859,
             policy,
+            semantics,
             ..Default::default()
         };
-        g.bench_with_input(
-            BenchmarkId::new("rust", format!("{policy:?}")),
-            &cfg,
-            |b, cfg| {
-                b.iter_batched_ref(
-                    || RustTier::new(cfg.clone()).unwrap(),
-                    |t| black_box(replay(t, &requests, 8)),
-                    BatchSize::PerIteration,
-                )
-            },
-        );
-        g.bench_with_input(
-            BenchmarkId::new("c_abi", format!("{policy:?}")),
-            &cfg,
-            |b, cfg| {
-                b.iter_batched_ref(
-                    || FfiTier::new(cfg),
-                    |t| black_box(replay(t, &requests, 8)),
-                    BatchSize::PerIteration,
-                )
-            },
-        );
+        // 0.24 keeps its names (figures compare across versions); 0.33 gets a suffix.
+        let name = match semantics {
+            Semantics::Vllm024 => format!("{policy:?}"),
+            Semantics::Vllm033 => format!("{policy:?}_v033"),
+        };
+        g.bench_with_input(BenchmarkId::new("rust", &name), &cfg, |b, cfg| {
+            b.iter_batched_ref(
+                || RustTier::new(cfg.clone()).unwrap(),
+                |t| black_box(replay(t, &requests, 8)),
+                BatchSize::PerIteration,
+            )
+        });
+        g.bench_with_input(BenchmarkId::new("c_abi", &name), &cfg, |b, cfg| {
+            b.iter_batched_ref(
+                || FfiTier::new(cfg),
+                |t| black_box(replay(t, &requests, 8)),
+                BatchSize::PerIteration,
+            )
+        });
     }
     g.finish();
 }

@@ -6,17 +6,20 @@
 //! `build_step` is timed alone (`iter_custom`): filling the request array, completing the jobs,
 //! replacing requests that reached the end of their prompt and resetting the tier before it
 //! fills happen outside the measured time. The requests' progress is staggered evenly over their
-//! prompt, so every step does the same work: 256 one-chunk store jobs, and a touch of each
-//! request's prompt keys (the scheduler touches all of them, as vLLM does, so the step's cost
-//! grows with the prompt length). Cases are named `factor{F}_prompt{T}`: block_size_factor F,
-//! T-token prompts; the smallest T is one chunk, the floor with a single key to touch.
+//! prompt, so every step does the same work: 256 one-chunk store jobs, and in vLLM 0.24
+//! semantics a touch of each request's prompt keys (the scheduler touches all of them, as vLLM
+//! 0.24 does, so the step's cost grows with the prompt length). In vLLM 0.33 semantics (cases
+//! suffixed `_v033`) nothing is touched; a step also commits the requests that finished after
+//! the previous one (on average 256 / chunks per prompt of them). Cases are named
+//! `factor{F}_prompt{T}`: block_size_factor F, T-token prompts; the smallest T is one chunk,
+//! the floor with a single key to touch.
 //!
 //! Every case builds its own 1M-slot scheduler (tens of MB), so the longer prompts are bound by
 //! memory latency and vary from run to run on a shared machine.
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use kvoffload::ffi::{self, kvo_status};
-use kvoffload::manager::Policy;
+use kvoffload::manager::{Policy, Semantics};
 use kvoffload::plan::Step;
 use kvoffload::scheduler::{JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig};
 use std::ffi::c_char;
@@ -38,8 +41,9 @@ fn hash(i: u64, out: &mut Vec<u8>) {
     }
 }
 
-fn config(factor: u32) -> SchedulerConfig {
+fn config(factor: u32, semantics: Semantics) -> SchedulerConfig {
     SchedulerConfig {
+        semantics,
         key_len: KEY_LEN,
         gpu_block_size: GPU_BLOCK,
         block_size_factor: factor,
@@ -172,6 +176,10 @@ impl CApi {
             c.num_slots = cfg.num_slots as u64;
             c.num_workers = cfg.num_workers;
             c.offload_prompt_only = cfg.offload_prompt_only as u32;
+            c.semantics = match cfg.semantics {
+                Semantics::Vllm024 => ffi::kvo_semantics::VLLM_0_24,
+                Semantics::Vllm033 => ffi::kvo_semantics::VLLM_0_33,
+            } as u32;
             ok(ffi::kvo_scheduler_new(&c, &mut sched));
             ok(ffi::kvo_step_new(&mut step));
         }
@@ -402,8 +410,23 @@ fn build_step(c: &mut Criterion) {
     // (block_size_factor, prompt tokens): one chunk (a single key to touch: the per-job floor),
     // then prompts of 128, 32 and 128 chunks. Factor 1 with 8192 tokens (512 keys to touch per
     // request) is left out to keep the run short: its step takes ~4x the 128-chunk ones.
-    for (factor, prompt) in [(1u32, 16u64), (1, 2048), (4, 64), (4, 2048), (4, 8192)] {
-        let name = format!("factor{factor}_prompt{prompt}");
+    // In vLLM 0.33 semantics nothing is touched: the step's cost no longer grows with the
+    // prompt (cases suffixed `_v033`).
+    let v024 = Semantics::Vllm024;
+    let v033 = Semantics::Vllm033;
+    for (factor, prompt, semantics) in [
+        (1u32, 16u64, v024),
+        (1, 2048, v024),
+        (4, 64, v024),
+        (4, 2048, v024),
+        (4, 8192, v024),
+        (1, 16, v033),
+        (4, 64, v033),
+        (4, 8192, v033),
+    ] {
+        let suffix = if semantics == v033 { "_v033" } else { "" };
+        let name = format!("factor{factor}_prompt{prompt}{suffix}");
+        let config = |factor| config(factor, semantics);
         // Set up on first use (criterion calls the closure once per sample, and never for a
         // filtered-out case).
         let mut rust = None;
@@ -457,7 +480,7 @@ fn match_prompt(c: &mut Criterion) {
     let chunks = PROMPT / (GPU_BLOCK * FACTOR) as u64;
     g.throughput(Throughput::Elements(chunks));
 
-    let mut rust = match_setup(RustApi::new(config(FACTOR)));
+    let mut rust = match_setup(RustApi::new(config(FACTOR, Semantics::Vllm024)));
     assert_eq!(
         rust.sched.match_request(HIT, 0).unwrap(),
         Match::Hit(PROMPT)
@@ -481,7 +504,7 @@ fn match_prompt(c: &mut Criterion) {
     }
     drop(rust);
 
-    let c_abi = match_setup(CApi::new(&config(FACTOR)));
+    let c_abi = match_setup(CApi::new(&config(FACTOR, Semantics::Vllm024)));
     let call = |id: u64| {
         let mut out = ffi::kvo_match_result::default();
         // SAFETY: live handle; valid out-pointer.

@@ -9,7 +9,9 @@
 #![allow(dead_code)]
 
 use kvoffload::ffi::{self, kvo_policy, kvo_semantics, kvo_status};
-use kvoffload::manager::{Manager, ManagerConfig, ManagerStats, Policy, Semantics, StorePlan};
+use kvoffload::manager::{
+    Manager, ManagerConfig, ManagerStats, Policy, RequestId, Semantics, StorePlan,
+};
 use kvoffload::{Error, Result};
 use std::path::Path;
 
@@ -84,27 +86,53 @@ pub trait Tier {
         self.touch(keys);
         hits
     }
-    /// Pin and release `keys` (a load that completes at once).
-    fn load(&mut self, keys: &[u8]);
-    /// Store `keys` and complete the stores at once; returns the stored count or `None` on
-    /// "no room".
-    fn store(&mut self, keys: &[u8]) -> Option<usize>;
+    /// Pin and release `keys` (a load that completes at once), with their `positions` in the
+    /// current request (0.33; empty in 0.24).
+    fn load(&mut self, keys: &[u8], positions: &[u64]);
+    /// Store `keys` (with `positions`, as for `load`) and complete the stores at once; returns
+    /// the stored count or `None` on "no room".
+    fn store(&mut self, keys: &[u8], positions: &[u64]) -> Option<usize>;
+    /// The semantics of the tier.
+    fn semantics(&self) -> Semantics;
+    /// Begins a request (0.33): the following loads and stores are its own.
+    fn begin(&mut self) {}
+    /// Finishes the current request (0.33): its recency is committed.
+    fn finish(&mut self) {}
 }
 
-/// Replays `requests` (flat key buffers) through `tier`.
+/// Replays `requests` (flat key buffers) through `tier`: per request, in 0.24 semantics the
+/// prefix lookup and touch, the load of the hit, the store of all keys; in 0.33 semantics the
+/// request begins, its keys carry positions (block `i` at `i + 1`), nothing is touched, and it
+/// finishes after its store.
 pub fn replay(tier: &mut impl Tier, requests: &[Vec<u8>], key_len: usize) -> ReplayOutcome {
+    let v033 = tier.semantics() == Semantics::Vllm033;
     let mut out = ReplayOutcome::default();
+    let mut positions: Vec<u64> = Vec::new();
     for keys in requests {
-        let hits = tier.lookup_prefix_touch(keys);
+        let n = keys.len() / key_len;
+        let hits = if v033 {
+            positions.clear();
+            positions.extend(1..=n as u64);
+            tier.begin();
+            tier.lookup_prefix(keys)
+        } else {
+            tier.lookup_prefix_touch(keys)
+        };
         if hits > 0 {
-            tier.load(&keys[..hits * key_len]);
+            tier.load(
+                &keys[..hits * key_len],
+                positions.get(..hits).unwrap_or(&[]),
+            );
         }
-        match tier.store(keys) {
+        match tier.store(keys, &positions) {
             Some(n) => out.stored_blocks += n as u64,
             None => out.no_room += 1,
         }
+        if v033 {
+            tier.finish();
+        }
         out.requests += 1;
-        out.blocks += (keys.len() / key_len) as u64;
+        out.blocks += n as u64;
         out.hit_blocks += hits as u64;
     }
     out
@@ -134,6 +162,7 @@ pub struct RustTier {
     plan: StorePlan,
     slots: Vec<u32>,
     done: Vec<u8>,
+    request: Option<RequestId>,
 }
 
 impl RustTier {
@@ -144,6 +173,7 @@ impl RustTier {
             plan: StorePlan::default(),
             slots: Vec::new(),
             done: Vec::new(),
+            request: None,
         })
     }
 }
@@ -166,17 +196,40 @@ impl Tier for RustTier {
         p.expect("lookup_prefix_touch").hits
     }
 
-    fn load(&mut self, keys: &[u8]) {
+    fn load(&mut self, keys: &[u8], positions: &[u64]) {
         self.slots.resize(keys.len() / self.manager.key_len(), 0);
-        self.manager
-            .prepare_load(keys, &mut self.slots)
-            .expect("prepare_load");
+        match self.request {
+            Some(r) => self
+                .manager
+                .prepare_load_for(r, keys, positions, &mut self.slots),
+            None => self.manager.prepare_load(keys, &mut self.slots),
+        }
+        .expect("prepare_load");
         self.manager.complete_load(keys).expect("complete_load");
     }
 
-    fn store(&mut self, keys: &[u8]) -> Option<usize> {
+    fn semantics(&self) -> Semantics {
+        self.manager.config().semantics
+    }
+
+    fn begin(&mut self) {
+        self.request = Some(self.manager.begin_request());
+    }
+
+    fn finish(&mut self) {
+        let r = self.request.take().expect("a request begun");
+        self.manager.finish_request(r).expect("finish_request");
+    }
+
+    fn store(&mut self, keys: &[u8], positions: &[u64]) -> Option<usize> {
         let kl = self.manager.key_len();
-        match self.manager.prepare_store(keys, &mut self.plan) {
+        let r = match self.request {
+            Some(r) => self
+                .manager
+                .prepare_store_for(r, keys, positions, &mut self.plan),
+            None => self.manager.prepare_store(keys, &mut self.plan),
+        };
+        match r {
             Ok(c) => {
                 let done = stored_keys(keys, kl, &self.plan.indices, &mut self.done);
                 self.manager
@@ -198,6 +251,17 @@ pub struct FfiTier {
     slots: Vec<u32>,
     evicted: Vec<u8>,
     done: Vec<u8>,
+    semantics: Semantics,
+    request: Option<u64>,
+}
+
+/// `positions` for C: NULL when empty.
+fn positions_ptr(positions: &[u64]) -> *const u64 {
+    if positions.is_empty() {
+        std::ptr::null()
+    } else {
+        positions.as_ptr()
+    }
 }
 
 impl FfiTier {
@@ -232,6 +296,8 @@ impl FfiTier {
             slots: vec![],
             evicted: vec![],
             done: vec![],
+            semantics: cfg.semantics,
+            request: None,
         }
     }
 
@@ -277,18 +343,48 @@ impl Tier for FfiTier {
         assert_eq!(st, kvo_status::Ok);
     }
 
-    fn load(&mut self, keys: &[u8]) {
+    fn semantics(&self) -> Semantics {
+        self.semantics
+    }
+
+    fn begin(&mut self) {
+        let mut r = 0;
+        // SAFETY: live handle, valid out-pointer.
+        let st = unsafe { ffi::kvo_manager_begin_request(self.handle, &mut r) };
+        assert_eq!(st, kvo_status::Ok);
+        self.request = Some(r);
+    }
+
+    fn finish(&mut self) {
+        let r = self.request.take().expect("a request begun");
+        // SAFETY: live handle.
+        let st = unsafe { ffi::kvo_manager_finish_request(self.handle, r) };
+        assert_eq!(st, kvo_status::Ok);
+    }
+
+    fn load(&mut self, keys: &[u8], positions: &[u64]) {
         let n = keys.len() / self.key_len;
         self.slots.resize(n, 0);
-        // SAFETY: as above; `slots` holds n entries.
+        // SAFETY: as above; `slots` holds n entries, `positions` n or none.
         unsafe {
-            let st = ffi::kvo_manager_prepare_load(
-                self.handle,
-                keys.as_ptr(),
-                n,
-                self.slots.as_mut_ptr(),
-                n,
-            );
+            let st = match self.request {
+                Some(r) => ffi::kvo_manager_prepare_load_for(
+                    self.handle,
+                    r,
+                    keys.as_ptr(),
+                    positions_ptr(positions),
+                    n,
+                    self.slots.as_mut_ptr(),
+                    n,
+                ),
+                None => ffi::kvo_manager_prepare_load(
+                    self.handle,
+                    keys.as_ptr(),
+                    n,
+                    self.slots.as_mut_ptr(),
+                    n,
+                ),
+            };
             assert_eq!(st, kvo_status::Ok);
             assert_eq!(
                 ffi::kvo_manager_complete_load(self.handle, keys.as_ptr(), n),
@@ -297,25 +393,40 @@ impl Tier for FfiTier {
         }
     }
 
-    fn store(&mut self, keys: &[u8]) -> Option<usize> {
+    fn store(&mut self, keys: &[u8], positions: &[u64]) -> Option<usize> {
         let (kl, n) = (self.key_len, keys.len() / self.key_len);
         self.idx.resize(n, 0);
         self.slots.resize(n, 0);
         self.evicted.resize(n * kl, 0);
         let (mut ns, mut ne) = (0usize, 0usize);
-        // SAFETY: as above; every output holds n entries.
+        // SAFETY: as above; every output holds n entries, `positions` n or none.
         let st = unsafe {
-            ffi::kvo_manager_prepare_store(
-                self.handle,
-                keys.as_ptr(),
-                n,
-                self.idx.as_mut_ptr(),
-                self.slots.as_mut_ptr(),
-                self.evicted.as_mut_ptr(),
-                n,
-                &mut ns,
-                &mut ne,
-            )
+            match self.request {
+                Some(r) => ffi::kvo_manager_prepare_store_for(
+                    self.handle,
+                    r,
+                    keys.as_ptr(),
+                    positions_ptr(positions),
+                    n,
+                    self.idx.as_mut_ptr(),
+                    self.slots.as_mut_ptr(),
+                    self.evicted.as_mut_ptr(),
+                    n,
+                    &mut ns,
+                    &mut ne,
+                ),
+                None => ffi::kvo_manager_prepare_store(
+                    self.handle,
+                    keys.as_ptr(),
+                    n,
+                    self.idx.as_mut_ptr(),
+                    self.slots.as_mut_ptr(),
+                    self.evicted.as_mut_ptr(),
+                    n,
+                    &mut ns,
+                    &mut ne,
+                ),
+            }
         };
         match st {
             kvo_status::Ok => {}
