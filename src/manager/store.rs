@@ -8,10 +8,6 @@ use super::record::{INSERTED, NO_POS, REUSED, STORE_MISS};
 use super::{IN_FLIGHT, Manager, NO_ID, SlotState, StoreCounts, StorePlan, key_at};
 use crate::error::{Error, Result, invalid};
 
-/// Marks, in a 0.33 store's per-key class, a candidate reported as a store miss by this call
-/// (until the key's record index replaces it).
-const STORE_MISS_PENDING: u32 = NO_ID - 1;
-
 impl Manager {
     /// [`Self::prepare_store_into`] with owned, reusable outputs.
     pub fn prepare_store(&mut self, keys: &[u8], plan: &mut StorePlan) -> Result<StoreCounts> {
@@ -161,6 +157,8 @@ impl Manager {
         const NEITHER: u8 = 0;
         const CANDIDATE: u8 = 1;
         const READY: u8 = 2;
+        // A candidate reported as a store miss by this call.
+        const CANDIDATE_MISS: u8 = 3;
         let n = self.resolve(keys);
         let kl = self.cfg.key_len;
         if let Some(t) = &mut self.tracker {
@@ -207,9 +205,11 @@ impl Manager {
         for &k in &self.scratch_new {
             let k = k as usize;
             let seen = rec.find(self.scratch_hash[k], key_at(keys, kl, k as u32));
+            // The record index is kept for the recording below (NO_ID: not recorded yet).
+            self.scratch_class[k].1 = seen.unwrap_or(NO_ID);
             if seen.is_none_or(|j| rec.flags[j as usize] & STORE_MISS == 0) {
                 self.scratch_access_ids.push(self.scratch_ids[k]);
-                self.scratch_class[k].1 = STORE_MISS_PENDING;
+                self.scratch_class[k].0 = CANDIDATE_MISS;
             }
         }
         if !self.scratch_access_ids.is_empty() {
@@ -219,7 +219,7 @@ impl Manager {
         self.scratch_access_ids.clear();
         self.scratch_access_pos.clear();
         for (k, key) in keys.chunks_exact(kl).enumerate() {
-            let (class, miss) = self.scratch_class[k];
+            let (class, seen) = self.scratch_class[k];
             if class == NEITHER {
                 continue;
             }
@@ -227,7 +227,11 @@ impl Manager {
                 self.scratch_hash[k],
                 positions.get(k).copied().unwrap_or(NO_POS),
             );
-            let j = match rec.find(h, key) {
+            let seen = match class {
+                READY => rec.find(h, key),
+                _ => Some(seen).filter(|&j| j != NO_ID),
+            };
+            let j = match seen {
                 Some(j) => {
                     rec.set_position(j, p);
                     j
@@ -239,7 +243,7 @@ impl Manager {
                 }
             };
             let f = &mut rec.flags[j as usize];
-            if miss == STORE_MISS_PENDING {
+            if class == CANDIDATE_MISS {
                 *f |= STORE_MISS;
             }
             if class == READY && *f & INSERTED == 0 {
