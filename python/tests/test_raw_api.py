@@ -140,7 +140,7 @@ class RawApiTest(unittest.TestCase):
         lib.kvo_manager_take_events(self.h, evs, 1, buf, 2, C.byref(n_ev), C.byref(n_keys))
         self.assertEqual((n_ev.value, n_keys.value), (1, 2))
         e = evs[0]
-        self.assertEqual((e.first_key, e.n_keys, e.removed, e.reserved), (0, 2, 0, 0))
+        self.assertEqual((e.first_key, e.n_keys, e.removed, e.metadata_only), (0, 2, 0, 0))
         self.assertEqual(bytes(buf), keys(1, 2))
         lib.kvo_manager_take_events(self.h, None, 0, None, 0, C.byref(n_ev), C.byref(n_keys))
         self.assertEqual((n_ev.value, n_keys.value), (0, 0))

@@ -56,6 +56,9 @@ impl Scheduler {
         r.block_ids.clear();
         r.recompute = None;
         r.matched_hit = None;
+        // Its new blocks will hold only the GPU prefix hit: a final store (0.33) of what it
+        // computed before must not read them.
+        r.computed = num_computed_tokens;
         if v033 {
             // vLLM 0.33: every match (also one that defers) offers the chunks again from the
             // first, so chunks evicted while the request waited are stored again.

@@ -90,6 +90,11 @@ impl Scheduler {
             // The flush makes the worker finish these jobs before this step's copies and forward
             // pass, so whatever reuses the blocks from this step on is safe: no fence needed.
             self.withdraw_unshipped_load(p);
+            // Its blocks are the host's again: nothing it computed is on the GPU any more (a
+            // final store of a request finished while preempted must read nothing).
+            let r = self.requests.get_mut(&p).expect("validated");
+            r.block_ids.clear();
+            r.computed = 0;
             for &j in &self.requests[&p].jobs {
                 self.flush.push(j);
                 self.jobs.get_mut(&j).expect("in flight").released = true;

@@ -336,3 +336,37 @@ fn a_reset_commits_requests_finished_since_the_last_step() {
     assert!(t.s.has_jobs_in_flight(1).is_err());
     assert!(t.build(&[], &[]).is_empty());
 }
+
+/// A request preempted (its blocks given back) and then finished has nothing on the GPU: its
+/// final store reads no block. Likewise a request re-matched after a preemption has only its
+/// GPU prefix hit in its new blocks.
+#[test]
+fn a_final_store_reads_no_block_given_back_at_preemption() {
+    let mut t = T::new(cfg(V033, 8));
+    let b = [0, 1, 2];
+    t.admit(1, 1, 12, &b);
+    // The token count lags: only two chunks are stored while running.
+    let jobs = t.build(&[sched(1, 0, 12, 8, &b)], &[]);
+    assert_eq!(jobs[0].1, vec![h(1, 0), h(1, 1)]);
+    t.complete(&jobs);
+    t.build(&[], &[1]);
+    t.s.finish_request(1).unwrap();
+    assert!(
+        t.build(&[], &[]).is_empty(),
+        "blocks 0..3 are not the request's any more"
+    );
+    assert!(!t.stored(h(1, 2)));
+    // Preempted, matched again (no GPU hit), allocated new blocks, then finished.
+    t.admit(2, 2, 12, &b);
+    let jobs = t.build(&[sched(2, 0, 12, 8, &b)], &[]);
+    t.complete(&jobs);
+    t.build(&[], &[2]);
+    assert_eq!(t.s.match_request(2, 0).unwrap(), Match::Hit(8));
+    t.s.on_alloc(2, &[5, 6, 7], 0).unwrap();
+    t.s.finish_request(2).unwrap();
+    assert!(
+        t.build(&[], &[]).is_empty(),
+        "blocks 5..8 hold nothing computed"
+    );
+    assert!(!t.stored(h(2, 2)));
+}

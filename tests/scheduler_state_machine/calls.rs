@@ -41,14 +41,26 @@ impl Sim {
         if let (Some((j, true)), false) = (load, self.eager_free) {
             // The core keeps the blocks of an aborted loading request until its load is done.
             self.reqs.get_mut(&id).unwrap().st = St::Aborted(j);
+            if self.cfg.semantics == Semantics::Vllm033 {
+                self.finishing.insert(id, None);
+            }
         } else {
             if let Some((j, true)) = load {
                 // The host frees the blocks now: the fence must hold their reuse.
                 self.jobs.get_mut(&j).unwrap().orphan = true;
             }
             let r = self.reqs.remove(&id).unwrap();
-            self.free.extend(r.blocks);
+            self.free.extend(r.blocks.iter().copied());
             self.preempt_next.retain(|&p| p != id);
+            if self.cfg.semantics == Semantics::Vllm033 {
+                // Its final store jobs come with the next step, reading the blocks just freed
+                // (or, preempted without the scheduler being told yet, the blocks it had).
+                let mut r = r;
+                if r.preempt_pending {
+                    (r.blocks, r.nc) = std::mem::take(&mut r.before_preempt);
+                }
+                self.finishing.insert(id, Some(r));
+            }
         }
         self.check()
     }
@@ -71,6 +83,7 @@ impl Sim {
             }
         }
         let r = self.reqs.get_mut(&id).unwrap();
+        r.before_preempt = (r.blocks.clone(), r.nc);
         r.st = St::Waiting;
         r.nc = 0;
         r.sent = false;
@@ -372,6 +385,9 @@ impl Sim {
             }
         }
         self.check_step_jobs(m, &step, plan, rng)?;
+        // The finished requests' final stores are made: the scheduler dropped them, or keeps
+        // them while their jobs are in flight.
+        self.finishing.clear();
         self.check_flush(m, &step, preempted)?;
         self.forward_pass(m, plan)?;
         self.sample(plan)
@@ -488,11 +504,17 @@ impl Sim {
             "step {m}: store job id {} reused",
             d.id
         );
-        let Some(&(_, k, num_tokens)) = plan.iter().find(|p| p.0 == id) else {
-            return Err(self.fail(format!(
-                "step {m}: store job {} for request {id}, not scheduled",
-                d.id
-            )));
+        let finishing = self.finishing.get(&id).is_some_and(|r| r.is_some());
+        let (k, num_tokens) = match plan.iter().find(|p| p.0 == id) {
+            Some(&(_, k, num_tokens)) => (k, num_tokens),
+            // A 0.33 final store: at most what the request computed.
+            None if finishing => (0, u64::MAX),
+            None => {
+                return Err(self.fail(format!(
+                    "step {m}: store job {} for request {id}, not scheduled",
+                    d.id
+                )));
+            }
         };
         let has_load = self
             .host_jobs(id)
@@ -505,7 +527,10 @@ impl Sim {
             d.id
         );
         let meta = self.meta[&id];
-        let r = &self.reqs[&id];
+        let r = match self.finishing.get(&id) {
+            Some(Some(r)) => r,
+            _ => &self.reqs[&id],
+        };
         let mut limit = (r.nc + k).min(num_tokens);
         if let Some(cap) = meta.max_offload {
             limit = limit.min(cap);
@@ -569,6 +594,7 @@ impl Sim {
         }
         self.exp.store_jobs += 1;
         self.exp.stored_chunks += dst.len() as u64;
+        self.cov.final_stores += finishing as u64;
         let fail_worker = self.fail_worker(rng, 12);
         self.jobs.insert(
             d.id,
@@ -587,7 +613,8 @@ impl Sim {
                 expected,
                 keys,
                 range: (0, 0),
-                orphan: false,
+                // A final store's blocks are the host's already: the fence must hold them.
+                orphan: finishing,
             },
         );
         Ok(())

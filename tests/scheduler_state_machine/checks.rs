@@ -57,11 +57,20 @@ impl Sim {
         );
         ensure!(
             self,
-            st.requests == live + finished_with_jobs.len() as u64,
-            "stats: {} requests tracked, host recounts {live} live + {} finished with jobs in flight {:?}",
+            st.requests
+                == live
+                    + finished_with_jobs
+                        .union(&self.finishing.keys().copied().collect())
+                        .count() as u64,
+            "stats: {} requests tracked, host recounts {live} live + {} finished with jobs in flight {:?} (finishing {:?}, live {:?})",
             st.requests,
             finished_with_jobs.len(),
-            finished_with_jobs
+            finished_with_jobs,
+            self.finishing.keys().collect::<Vec<_>>(),
+            self.reqs
+                .keys()
+                .filter(|&&id| self.live(id))
+                .collect::<Vec<_>>()
         );
         ensure!(
             self,

@@ -46,7 +46,7 @@
 //! calls with their bookkeeping and a whole step; `ops.rs` the random operations and the drain.
 
 use kvoffload::Error;
-use kvoffload::manager::Policy;
+use kvoffload::manager::{Policy, Semantics};
 use kvoffload::plan::{Direction, JobDesc, Step};
 use kvoffload::scheduler::{
     DeferReason, JobReport, Match, Recompute, ScheduledRequest, Scheduler, SchedulerConfig,
@@ -166,6 +166,9 @@ struct HReq {
     resumed: bool,
     /// Preempted, to be passed in the next step's `preempted`.
     preempt_pending: bool,
+    /// While `preempt_pending`: the blocks and computed tokens it had (the scheduler still
+    /// counts on them until it is told).
+    before_preempt: (Vec<u32>, u64),
 }
 
 #[derive(Debug)]
@@ -235,6 +238,8 @@ struct Coverage {
     loads_run: u64,
     partial_first_chunk_loads: u64,
     store_chunks_run: u64,
+    /// vLLM 0.33: store jobs of requests finished since the previous step.
+    final_stores: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -253,6 +258,9 @@ struct Params {
     /// only the header may, relying on the reuse fence), instead of keeping them until the
     /// load is done (as vLLM's core does).
     eager_free: bool,
+    /// vLLM 0.33 semantics (no touch, rewind at every match, final stores of finished requests
+    /// in the next step).
+    v033: bool,
 }
 
 struct Sim {
@@ -277,6 +285,10 @@ struct Sim {
     /// GPU blocks given to the scheduler (`on_alloc`, `new_block_ids`) since the last step.
     allocated_since_step: HashSet<u32>,
     preempt_next: Vec<u64>,
+    /// vLLM 0.33: requests finished since the last step (their blocks are free already); the
+    /// next step may carry their final store jobs, then the scheduler drops them (`None`: an
+    /// aborted request the host still holds, which has nothing to store).
+    finishing: BTreeMap<u64, Option<HReq>>,
     /// Jobs in flight at the last reset: the next step must flush them.
     reset_flush: Vec<u64>,
     exp: Counters,
@@ -311,6 +323,11 @@ impl Sim {
             enable_events: p.events,
             store_threshold: p.store_threshold,
             max_tracker_size: 16,
+            semantics: if p.v033 {
+                Semantics::Vllm033
+            } else {
+                Semantics::Vllm024
+            },
             ..Default::default()
         };
         let s = Scheduler::new(cfg.clone())
@@ -334,6 +351,7 @@ impl Sim {
             slots: HashMap::new(),
             allocated_since_step: HashSet::new(),
             preempt_next: Vec::new(),
+            finishing: BTreeMap::new(),
             reset_flush: Vec::new(),
             exp: Counters::default(),
             cov: Coverage::default(),
@@ -414,6 +432,7 @@ fn params(split: bool) -> impl Strategy<Value = Params> {
         any::<bool>(),
         prop_oneof![3 => Just(0u32), 1 => Just(2u32)],
         any::<bool>(),
+        any::<bool>(),
     )
         .prop_map(
             move |(
@@ -426,6 +445,7 @@ fn params(split: bool) -> impl Strategy<Value = Params> {
                 events,
                 store_threshold,
                 eager_free,
+                v033,
             )| Params {
                 factor,
                 num_slots,
@@ -437,6 +457,7 @@ fn params(split: bool) -> impl Strategy<Value = Params> {
                 store_threshold,
                 split,
                 eager_free,
+                v033,
             },
         )
 }
@@ -477,7 +498,8 @@ fn the_simulation_reaches_the_interesting_states() {
     let mut cov = Coverage::default();
     let mut stats = Counters::default();
     let (mut no_room, mut evictions) = (0, 0);
-    for case in 0..48u64 {
+    // Cases 48.. run in vLLM 0.33 semantics.
+    for case in 0..72u64 {
         let mut g = Rng::new(case * 7919);
         let p = Params {
             factor: if g.chance(1, 2) { 1 } else { 3 },
@@ -490,6 +512,7 @@ fn the_simulation_reaches_the_interesting_states() {
             store_threshold: if g.chance(1, 4) { 2 } else { 0 },
             split: false,
             eager_free: g.chance(1, 2),
+            v033: case >= 48,
         };
         let ops: Vec<(u8, u32)> = (0..200)
             .map(|_| (g.below(100) as u8, g.next() as u32))
@@ -504,7 +527,8 @@ fn the_simulation_reaches_the_interesting_states() {
         }
         add!(cov, c: window_defers, preempt_flushes, forced_preemptions, fence_flushes, resets,
             resets_after_building, stale_reports, split_reports, failed_loads, failed_stores,
-            aborted_loads, withdrawn_loads, preempted_loads, load_fence_flushes, loads_run, partial_first_chunk_loads, store_chunks_run);
+            aborted_loads, withdrawn_loads, preempted_loads, load_fence_flushes, loads_run, partial_first_chunk_loads, store_chunks_run,
+            final_stores);
         add!(stats, e: matches, deferred_jobs_in_flight, deferred_store_in_flight,
             deferred_being_loaded, hits, hit_tokens, load_jobs, store_jobs, stored_chunks,
             failed_jobs);

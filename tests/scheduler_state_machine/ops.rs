@@ -51,6 +51,7 @@ impl Sim {
                 gpu_hit: 0,
                 resumed: false,
                 preempt_pending: false,
+                before_preempt: (Vec::new(), 0),
             },
         );
         self.check()?;
@@ -396,6 +397,8 @@ impl Sim {
                 "reset() succeeded with load jobs not in a step"
             ),
         }
+        // Requests finished since the last step are dropped; their final stores never happen.
+        self.finishing.clear();
         self.reset_flush = self
             .jobs
             .iter()
