@@ -46,7 +46,17 @@ from ._ffi import (
     library_path,
     version,
 )
-from ._buffers import IdsLike, IdsOut, Keys, KeysLike, keys_arg, u32_arg, u32_out, u32_zeros
+from ._buffers import (
+    IdsLike,
+    IdsOut,
+    Keys,
+    KeysLike,
+    keys_arg,
+    u32_arg,
+    u32_out,
+    u32_zeros,
+    u64_arg,
+)
 from ._common import (
     _take_events,
     _MAX_U32,
@@ -162,6 +172,10 @@ _prepare_load = _ffi.fast["kvo_manager_prepare_load"]
 _touch = _ffi.fast["kvo_manager_touch"]
 _complete_load = _ffi.fast["kvo_manager_complete_load"]
 _prepare_store = _ffi.fast["kvo_manager_prepare_store"]
+_prepare_load_for = _ffi.fast["kvo_manager_prepare_load_for"]
+_prepare_store_for = _ffi.fast["kvo_manager_prepare_store_for"]
+_begin_request = _ffi.fast["kvo_manager_begin_request"]
+_finish_request = _ffi.fast["kvo_manager_finish_request"]
 _complete_store = _ffi.fast["kvo_manager_complete_store"]
 _complete_store_at = _ffi.fast["kvo_manager_complete_store_at"]
 _get_stats = _ffi.fast["kvo_manager_get_stats"]
@@ -266,10 +280,20 @@ class Manager(_Handle):
             raise _failure(st)
         return out[0], out[1] != 0
 
-    def prepare_load(self, keys: KeysLike, out: Optional[IdsOut] = None) -> array:
+    def prepare_load(
+        self,
+        keys: KeysLike,
+        out: Optional[IdsOut] = None,
+        request: Optional[int] = None,
+        positions: Optional[IdsLike] = None,
+    ) -> array:
         """Pins ``keys`` for a load; returns their slots in input order (``array('I')``). With
         ``out`` (a writable ``uint32`` buffer of at least ``n`` entries) the slots are written
-        there and ``out`` is returned."""
+        there and ``out`` is returned.
+
+        ``request`` (from :meth:`begin_request`) records the loaded keys as reused by that
+        request, at ``positions`` (one ``uint64`` per key: the tokens up to the end of its
+        block; None: no positions) — ``kvo_manager_prepare_load_for``."""
         h = self._h
         if h is None:
             raise self._closed_error()
@@ -283,7 +307,11 @@ class Manager(_Handle):
         else:
             addr, keep_out = u32_out(out, n)
             res = out
-        st = _prepare_load(h, arg, n, addr, n)
+        if request is None and positions is None:
+            st = _prepare_load(h, arg, n, addr, n)
+        else:
+            req, pos, keep_pos = self._request_args(request, positions, n)
+            st = _prepare_load_for(h, req, arg, pos, n, addr, n)
         if st:
             raise _failure(st)
         return res
@@ -318,11 +346,19 @@ class Manager(_Handle):
             raise _failure(st)
 
     def prepare_store(
-        self, keys: KeysLike, out: Optional[StoreBuffers] = None
+        self,
+        keys: KeysLike,
+        out: Optional[StoreBuffers] = None,
+        request: Optional[int] = None,
+        positions: Optional[IdsLike] = None,
     ) -> Union[StorePlan, StoreBuffers]:
         """Reserves host slots for the keys not stored yet, evicting if needed; returns a
         :class:`StorePlan`. With ``out`` (a :class:`StoreBuffers` of this key length and enough
         capacity) the answer is written there instead and ``out`` is returned.
+
+        ``request`` and ``positions`` as for :meth:`prepare_load`
+        (``kvo_manager_prepare_store_for``): in 0.33 semantics the offer counts once per request
+        for the store threshold, and ARC adapts on the request's first offer of a ghost key.
 
         Raises :class:`NoRoomError` when not enough can be evicted now (retry later).
         """
@@ -343,7 +379,11 @@ class Manager(_Handle):
                     f"{n} keys of {kl} bytes passed"
                 )
             a = out._addr
-            st = _prepare_store(h, arg, n, a[0], a[1], a[2], n, a[3], a[4])
+            if request is None and positions is None:
+                st = _prepare_store(h, arg, n, a[0], a[1], a[2], n, a[3], a[4])
+            else:
+                req, pos, keep_pos = self._request_args(request, positions, n)
+                st = _prepare_store_for(h, req, arg, pos, n, a[0], a[1], a[2], n, a[3], a[4])
             if st:
                 raise _failure(st)
             c = out._counts
@@ -353,7 +393,15 @@ class Manager(_Handle):
         # One zeroed buffer for all outputs: the two counts (size_t, 8-byte aligned), indices,
         # slots, then the evicted keys.
         buf, ba = u32_zeros(4 + 2 * n + (n * kl + 3) // 4)
-        st = _prepare_store(h, arg, n, ba + 16, ba + 16 + 4 * n, ba + 16 + 8 * n, n, ba, ba + 8)
+        if request is None and positions is None:
+            st = _prepare_store(
+                h, arg, n, ba + 16, ba + 16 + 4 * n, ba + 16 + 8 * n, n, ba, ba + 8
+            )
+        else:
+            req, pos, keep_pos = self._request_args(request, positions, n)
+            st = _prepare_store_for(
+                h, req, arg, pos, n, ba + 16, ba + 16 + 4 * n, ba + 16 + 8 * n, n, ba, ba + 8
+            )
         if st:
             raise _failure(st)
         # Counts are below 2**32: the low word of each size_t holds it.
@@ -390,6 +438,41 @@ class Manager(_Handle):
             st = _complete_store_at(h, arg, at, n, 1 if success else 0)
         if st:
             raise _failure(st)
+
+    def begin_request(self) -> int:
+        """Starts a request context (vLLM 0.33 request-scoped recency); returns its handle, for
+        the ``request=`` argument of :meth:`prepare_load` / :meth:`prepare_store` and for
+        :meth:`finish_request`."""
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        out = _Out()
+        st = _begin_request(h, _addressof(out))
+        if st:
+            raise _failure(st)
+        return out[0]
+
+    def finish_request(self, request: int) -> None:
+        """Ends ``request``: commits its recency to the policy (LRU: its keys become the newest,
+        its head newest of all; ARC: the keys it reused are promoted) unless :meth:`reset` came
+        after its last use. Raises :class:`InvalidArgumentError` if it is not active."""
+        h = self._h
+        if h is None:
+            raise self._closed_error()
+        st = _finish_request(h, _uint("request", request, _MAX_U64))
+        if st:
+            raise _failure(st)
+
+    def _request_args(self, request, positions, n):
+        if request is None:
+            raise ValueError("positions: given without a request")
+        req = _uint("request", request, _MAX_U64)
+        if positions is None:
+            return req, None, None
+        pos, npos, keep = u64_arg(positions, "positions")
+        if npos != n:
+            raise ValueError(f"positions: {npos} positions for {n} keys")
+        return req, pos, keep
 
     def take_events(self) -> List[Event]:
         """Takes the buffered events, oldest first (empty unless ``enable_events``)."""

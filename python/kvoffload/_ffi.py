@@ -552,6 +552,18 @@ FUNCTIONS = {
         True,
     ),
     "kvo_manager_complete_store": (kvo_status, [_ManagerP, c_char_p, c_size_t, c_uint32], True),
+    "kvo_manager_begin_request": (kvo_status, [_ManagerP, _u64p], True),
+    "kvo_manager_finish_request": (kvo_status, [_ManagerP, c_uint64], True),
+    "kvo_manager_prepare_load_for": (
+        kvo_status,
+        [_ManagerP, c_uint64, c_char_p, _u64p, c_size_t, _u32p, c_size_t],
+        True,
+    ),
+    "kvo_manager_prepare_store_for": (
+        kvo_status,
+        [_ManagerP, c_uint64, c_char_p, _u64p, c_size_t, _u32p, _u32p, _u8p, c_size_t, _sizep, _sizep],
+        True,
+    ),
     "kvo_manager_complete_store_at": (
         kvo_status,
         [_ManagerP, c_char_p, POINTER(c_uint32), c_size_t, c_uint32],

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from array import array
 import unittest
 
 
@@ -293,6 +294,103 @@ class ArcTest(unittest.TestCase):
             m.complete_store(ks(3))
             evs = [(e.removed, ids(e.keys)) for e in m.take_events()]
             self.assertEqual(evs, [(False, [1, 2]), (True, [1]), (False, [3])])
+
+
+class Vllm033Test(unittest.TestCase):
+    """vLLM 0.33 semantics through the friendly API: request contexts with positions."""
+
+    def test_three_requests_positions_and_commit(self):
+        # vLLM 0.33 LRUCachePolicy, three requests: ranks by request then position, recency
+        # committed at finish_request, load and store completion leave recency alone.
+        m = Manager(num_slots=5, key_len=8, enable_events=True, semantics="0.33")
+        self.assertEqual(m.semantics, kvoffload.Semantics.VLLM_0_33)
+        a, b, c = m.begin_request(), m.begin_request(), m.begin_request()
+        self.assertEqual(m.lookup(k(1)), Lookup.MISS)
+        plan = m.prepare_store(ks(1, 2), request=a, positions=[16, 32])
+        self.assertEqual(list(plan.slots), [0, 1])
+        self.assertEqual(m.lookup(k(1)), Lookup.HIT_PENDING)
+        m.complete_store(ks(1, 2))
+        self.assertEqual(list(m.prepare_store(ks(3), request=a, positions=[48]).slots), [2])
+        m.complete_store(ks(3))
+        self.assertEqual(list(m.prepare_store(ks(4, 5), request=b, positions=[16, 32]).slots),
+                         [3, 4])
+        m.complete_store(ks(4, 5))
+        m.finish_request(a)
+        self.assertEqual(list(m.prepare_load(ks(1, 2), request=c, positions=[16, 32])), [0, 1])
+        plan = m.prepare_store(ks(6), request=c, positions=[48])
+        self.assertEqual((list(plan.slots), ids(plan.evicted)), ([4], [5]))
+        m.complete_load(ks(1, 2))
+        m.complete_store(ks(6))
+        m.finish_request(c)
+        m.finish_request(b)
+        events = [(e.removed, ids(e.keys)) for e in m.take_events()]
+        self.assertEqual(
+            events,
+            [(False, [1, 2]), (False, [3]), (False, [4, 5]), (True, [5]), (False, [6])],
+        )
+        # Eviction order now 3, 6, 2, 1, 4 (oldest first).
+        plan = m.prepare_store(ks(10, 11, 12, 13, 14))
+        self.assertEqual(ids(plan.evicted), [3, 6, 2, 1, 4])
+        m.check_invariants()
+
+    def test_failed_store_is_a_metadata_only_removal(self):
+        m = Manager(num_slots=4, key_len=8, enable_events=True, semantics="0.33")
+        a, b = m.begin_request(), m.begin_request()
+        self.assertEqual(list(m.prepare_store(ks(1, 2, 3), request=a).slots), [0, 1, 2])
+        m.complete_store(ks(1))
+        m.complete_store(ks(1, 2), success=False)
+        self.assertEqual(list(m.prepare_store(ks(2), request=b).slots), [3])
+        m.complete_store(ks(3), success=False)
+        events = [(e.removed, ids(e.keys), e.metadata_only) for e in m.take_events()]
+        self.assertEqual(events, [(False, [1], False), (True, [3], True)])
+        self.assertEqual(m.lookup(k(2)), Lookup.HIT_PENDING)
+        self.assertEqual(m.lookup(k(3)), Lookup.MISS)
+
+    def test_store_buffers_with_a_request(self):
+        m = Manager(num_slots=2, key_len=8, semantics="0.33")
+        r = m.begin_request()
+        out = kvoffload.StoreBuffers(4, 8)
+        self.assertIs(m.prepare_store(ks(1, 2), out=out, request=r, positions=[4, 8]), out)
+        self.assertEqual((out.n_store, list(out.slots[:2])), (2, [0, 1]))
+        m.complete_store(ks(1, 2))
+        slots = array("I", [9, 9])
+        self.assertIs(m.prepare_load(ks(1, 2), out=slots, request=r), slots)
+        self.assertEqual(list(slots), [0, 1])
+        m.complete_load(ks(1, 2))
+        m.finish_request(r)
+        m.check_invariants()
+
+    def test_bad_request_arguments_change_nothing(self):
+        m = Manager(num_slots=4, key_len=8, semantics="0.33")
+        r = m.begin_request()
+        with self.assertRaisesRegex(ValueError, "positions: given without a request"):
+            m.prepare_store(ks(1), positions=[16])
+        with self.assertRaisesRegex(ValueError, "positions: 1 positions for 2 keys"):
+            m.prepare_store(ks(1, 2), request=r, positions=[16])
+        with self.assertRaisesRegex(ValueError, "request"):
+            m.prepare_load(ks(1), request=-1)
+        with self.assertRaises(InvalidArgumentError) as cm:
+            m.prepare_store(ks(1), request=r + 100)
+        self.assertIn("request", str(cm.exception))
+        with self.assertRaises(InvalidArgumentError):
+            m.prepare_store(ks(1), request=r, positions=[2**64 - 1])
+        s = m.stats()
+        self.assertEqual((s.used, s.stores_in_flight), (0, 0))
+        m.finish_request(r)
+        with self.assertRaises(InvalidArgumentError):
+            m.finish_request(r)
+        m.close()
+        with self.assertRaises(ValueError):
+            m.begin_request()
+
+    def test_begin_and_finish_in_0_24_semantics(self):
+        # The request calls exist in both semantics; in 0.24 they only add positions' ranks.
+        m = Manager(num_slots=2, key_len=8)
+        r = m.begin_request()
+        m.prepare_store(ks(1), request=r, positions=[16])
+        m.complete_store(ks(1))
+        m.finish_request(r)
+        self.assertEqual(m.lookup(k(1)), Lookup.HIT)
 
 
 class ErrorTest(unittest.TestCase):
