@@ -149,8 +149,9 @@ impl Manager {
     }
 
     /// Commits record `i` (current): its keys head to tail — by position when every key has
-    /// one, else by group (the key's last four bytes, big-endian) then first observation —
-    /// with their flags, to the policy.
+    /// one, else by group (the key's last four bytes, big-endian), each group by position when
+    /// all its keys have one and by first observation otherwise — with their flags, to the
+    /// policy (vLLM 0.33 `on_request_finished` and `order_request_keys`).
     fn commit(&mut self, i: usize) {
         let kl = self.cfg.key_len;
         let rec = self.records.get(i);
@@ -166,8 +167,17 @@ impl Manager {
             self.scratch_order.sort_by_key(group);
         }
         let position = |j: &u32| rec.positions[*j as usize];
-        if rec.unpositioned == 0 && !self.scratch_order.is_sorted_by_key(position) {
-            self.scratch_order.sort_by_key(position);
+        if rec.unpositioned == 0 {
+            if !self.scratch_order.is_sorted_by_key(position) {
+                self.scratch_order.sort_by_key(position);
+            }
+        } else {
+            // vLLM 0.33 sorts each group whose keys all have a position.
+            for run in self.scratch_order.chunk_by_mut(|a, b| group(a) == group(b)) {
+                if run.iter().all(|&j| rec.positions[j as usize] != NO_POS) {
+                    run.sort_by_key(position);
+                }
+            }
         }
         self.scratch_access_ids.clear();
         self.scratch_flags.clear();

@@ -463,6 +463,21 @@ fn lru_a_request_recording_tail_first_ranks_like_head_first() {
     }
 }
 
+/// vLLM 0.33 `on_request_finished` sorts each group whose keys all have positions, even when
+/// another group's keys have none (then the groups are concatenated in ascending order).
+#[test]
+fn lru_commit_sorts_a_fully_positioned_group_beside_an_unpositioned_one() {
+    let mut t = T::new(V033, Policy::Lru, 8);
+    t.pos("A", &[(g(1, 0), 16), (g(2, 0), 32)]);
+    for k in [g(2, 0), g(1, 0), g(4, 1), g(3, 1)] {
+        assert!(t.ps("A", &[k]).is_some());
+        t.cs(&[k], true);
+    }
+    t.finish("A");
+    // Head to tail: group 0 by position [1, 2], group 1 as observed [4, 3].
+    assert_eq!(t.eviction_order(), vec![g(3, 1), g(4, 1), g(2, 0), g(1, 0)]);
+}
+
 // ---- ARC worked examples (vLLM 0.33 `ARCCachePolicy`) ----
 
 #[test]
