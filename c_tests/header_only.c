@@ -15,7 +15,8 @@ _Static_assert(sizeof(kvo_lookup) == 4, "kvo_lookup is 32 bits");
 _Static_assert(offsetof(kvo_manager_config, struct_size) == 0, "struct_size first");
 _Static_assert(offsetof(kvo_manager_stats, struct_size) == 0, "struct_size first");
 _Static_assert(sizeof(kvo_event) == 24, "kvo_event is 24 bytes");
-_Static_assert(sizeof(kvo_manager_stats) == sizeof(size_t) + 11 * sizeof(uint64_t),
+_Static_assert(sizeof(kvo_manager_stats) ==
+                   sizeof(size_t) + (12 + KVO_ALLOCATION_SIZE_BUCKETS) * sizeof(uint64_t),
                "kvo_manager_stats has no padding");
 
 int main(void) {

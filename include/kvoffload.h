@@ -52,6 +52,11 @@
 #define KVO_MAX_KEY_LEN 64
 
 /**
+ * Buckets of `kvo_manager_stats.allocation_size_buckets`.
+ */
+#define KVO_ALLOCATION_SIZE_BUCKETS 11
+
+/**
  * "No limit" for `max_offload_tokens`.
  */
 #define KVO_NO_LIMIT UINT64_MAX
@@ -481,6 +486,19 @@ typedef struct kvo_manager_stats {
    * `kvo_manager_config.enable_events`).
    */
   uint64_t events_dropped;
+  /**
+   * `kvo_manager_prepare_store*` calls that allocated slots, per number of keys to store,
+   * not cumulative: bucket `i` counts allocations of at most 1, 4, 16, 64, 256, 1024, 4096,
+   * 16384, 65536, 262144 keys (and above the bucket before); the last bucket counts larger
+   * ones (vLLM 0.33's `kv_offload_cpu_allocation_size` buckets). With
+   * `KVO_SEMANTICS_VLLM_0_33` a call that answered `KVO_STATUS_NO_ROOM` counts too, as in
+   * vLLM 0.33; with `KVO_SEMANTICS_VLLM_0_24` only calls that succeeded (cumulative).
+   */
+  uint64_t allocation_size_buckets[KVO_ALLOCATION_SIZE_BUCKETS];
+  /**
+   * Keys of the allocations counted in `allocation_size_buckets` (cumulative).
+   */
+  uint64_t allocation_keys;
 } kvo_manager_stats;
 
 /**
@@ -913,6 +931,12 @@ typedef struct kvo_worker_stats {
    */
   uint64_t jobs_in_flight;
 } kvo_worker_stats;
+
+/**
+ * Upper bounds of the allocation-size buckets, in keys (vLLM 0.33's buckets); one more bucket
+ * takes every larger allocation.
+ */
+#define ALLOCATION_SIZE_BOUNDS { 1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, }
 
 #ifdef __cplusplus
 extern "C" {

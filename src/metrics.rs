@@ -7,7 +7,7 @@
 //! them all.
 
 use crate::error::{Error, Result};
-use crate::manager::ManagerStats;
+use crate::manager::{ALLOCATION_SIZE_BOUNDS, ManagerStats};
 use crate::scheduler::SchedulerStats;
 use crate::transfer::{DirectionStats, SIZE_BUCKET_BOUNDS, WorkerStats};
 use prometheus::core::Desc;
@@ -124,12 +124,23 @@ impl<'a> Families<'a> {
         self.family(name, help, MetricType::GAUGE, vec![m]);
     }
 
-    /// A histogram of transfer sizes from per-bucket (not cumulative) counts. The encoder adds
-    /// the `+Inf` bucket (the sample count).
+    /// A histogram of transfer sizes from per-bucket (not cumulative) counts.
     fn size_histogram(&mut self, name: &str, help: &str, d: &DirectionStats) {
-        let mut buckets = Vec::with_capacity(SIZE_BUCKET_BOUNDS.len());
+        self.histogram(
+            name,
+            help,
+            &SIZE_BUCKET_BOUNDS,
+            &d.size_buckets,
+            d.bytes as f64,
+        );
+    }
+
+    /// A histogram from per-bucket (not cumulative) `counts`, one per bound and one above the
+    /// last bound. The encoder adds the `+Inf` bucket (the sample count).
+    fn histogram(&mut self, name: &str, help: &str, bounds: &[u64], counts: &[u64], sum: f64) {
+        let mut buckets = Vec::with_capacity(bounds.len());
         let mut cumulative = 0u64;
-        for (&bound, &n) in SIZE_BUCKET_BOUNDS.iter().zip(&d.size_buckets) {
+        for (&bound, &n) in bounds.iter().zip(counts) {
             cumulative += n;
             let mut b = Bucket::default();
             b.set_upper_bound(bound as f64);
@@ -138,8 +149,8 @@ impl<'a> Families<'a> {
         }
         let mut h = Histogram::default();
         h.set_bucket(buckets);
-        h.set_sample_count(d.size_buckets.iter().sum());
-        h.set_sample_sum(d.bytes as f64);
+        h.set_sample_count(counts.iter().sum());
+        h.set_sample_sum(sum);
         let mut m = self.metric(&[]);
         m.set_histogram(h);
         self.family(name, help, MetricType::HISTOGRAM, vec![m]);
@@ -155,6 +166,28 @@ impl<'a> Families<'a> {
             "cpu_cache_usage_perc",
             "Fraction of host slots not evictable: store in flight or pinned by a load (vLLM's definition).",
             usage,
+        );
+        let write_usage = if s.capacity == 0 {
+            0.0
+        } else {
+            s.stores_in_flight as f64 / s.capacity as f64
+        };
+        self.gauge(
+            "cpu_cache_write_usage_perc",
+            "Fraction of host slots whose store is in flight (vLLM 0.33's definition).",
+            write_usage,
+        );
+        self.gauge(
+            "cpu_cache_read_usage_perc",
+            "Fraction of host slots pinned by loads and not by a store: usage minus write usage (vLLM 0.33's definition).",
+            (usage - write_usage).max(0.0),
+        );
+        self.histogram(
+            "cpu_allocation_size",
+            "Keys to store of each prepare_store that allocated host slots (vLLM 0.33's buckets).",
+            &ALLOCATION_SIZE_BOUNDS,
+            &s.allocation_size_buckets,
+            s.allocation_keys as f64,
         );
         self.gauge("host_slots", "Host slots of the tier.", s.capacity as f64);
         self.gauge(

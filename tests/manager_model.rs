@@ -129,6 +129,8 @@ struct Model {
     lookups: u64,
     hits: u64,
     stores_skipped: u64,
+    allocation_size_buckets: [u64; 11],
+    allocation_keys: u64,
     evictions: u64,
 }
 
@@ -156,6 +158,8 @@ impl Model {
             lookups: 0,
             hits: 0,
             stores_skipped: 0,
+            allocation_size_buckets: [0; 11],
+            allocation_keys: 0,
             evictions: 0,
         }
     }
@@ -454,6 +458,10 @@ impl Model {
             self.events.push((true, evicted.clone()));
         }
         self.stores_skipped += skipped;
+        // vLLM 0.33's allocation-size buckets (0.24 semantics: successful allocations only).
+        let bounds = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144];
+        self.allocation_size_buckets[bounds.iter().filter(|&&b| b < to_store.len()).count()] += 1;
+        self.allocation_keys += to_store.len() as u64;
         let mut indices = Vec::new();
         let mut slots = Vec::new();
         for (i, k) in to_store {
@@ -522,6 +530,8 @@ impl Model {
             stores_skipped: self.stores_skipped,
             evictions: self.evictions,
             events_dropped: 0,
+            allocation_size_buckets: self.allocation_size_buckets,
+            allocation_keys: self.allocation_keys,
         }
     }
 

@@ -85,7 +85,11 @@ class _Stats:
         out = {}
         for name in self._names():
             v = getattr(self, name)
-            out[name] = v.as_dict() if isinstance(v, _Stats) else v
+            if isinstance(v, _Stats):
+                v = v.as_dict()
+            elif isinstance(v, ctypes.Array):
+                v = list(v)
+            out[name] = v
         return out
 
     def __eq__(self, other):
@@ -96,7 +100,7 @@ class _Stats:
     __hash__ = None
 
     def __repr__(self):
-        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._names())
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())
         return f"{type(self).__name__}({fields})"
 
     @classmethod
@@ -107,7 +111,9 @@ class _Stats:
 
 class ManagerStats(_Stats, _ffi.kvo_manager_stats):
     """Counters and gauges of a manager (``kvo_manager_stats``): capacity, used, ready,
-    evictable, pinned, stores_in_flight, lookups, hits, stores_skipped, evictions."""
+    evictable, pinned, stores_in_flight, lookups, hits, stores_skipped, evictions,
+    events_dropped, allocation_size_buckets (a ctypes array: allocations per size bucket),
+    allocation_keys."""
 
     def __init__(self, *values, **kw):
         super().__init__(ctypes.sizeof(_ffi.kvo_manager_stats), *values, **kw)

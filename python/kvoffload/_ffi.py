@@ -32,6 +32,7 @@ __all__ = [
     "KVO_NO_LIMIT",
     "KVO_STEP_FORMAT_VERSION",
     "KVO_SIZE_BUCKETS",
+    "KVO_ALLOCATION_SIZE_BUCKETS",
     "KvoError",
     "NullArgumentError",
     "InvalidArgumentError",
@@ -147,6 +148,8 @@ KVO_NO_LIMIT = 2**64 - 1
 KVO_STEP_FORMAT_VERSION = 1
 #: ``KVO_SIZE_BUCKETS``: buckets of ``kvo_transfer_stats.size_buckets``.
 KVO_SIZE_BUCKETS = 11
+#: ``KVO_ALLOCATION_SIZE_BUCKETS``: buckets of ``kvo_manager_stats.allocation_size_buckets``.
+KVO_ALLOCATION_SIZE_BUCKETS = 11
 
 #: (IntEnum, header prefix) pairs; the drift test compares them member for member.
 ENUMS = (
@@ -323,6 +326,8 @@ class kvo_manager_stats(ctypes.Structure):
         ("stores_skipped", c_uint64),
         ("evictions", c_uint64),
         ("events_dropped", c_uint64),
+        ("allocation_size_buckets", c_uint64 * KVO_ALLOCATION_SIZE_BUCKETS),
+        ("allocation_keys", c_uint64),
     ]
 
 

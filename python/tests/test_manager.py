@@ -583,7 +583,11 @@ class BehaviourTest(unittest.TestCase):
             self.assertEqual(set(d), {
                 "capacity", "used", "ready", "evictable", "pinned", "stores_in_flight",
                 "lookups", "hits", "stores_skipped", "evictions", "events_dropped",
+                "allocation_size_buckets", "allocation_keys",
             })
+            # Two allocations (3 keys, then 2): both in the bucket of at most 4 keys.
+            self.assertEqual(d["allocation_size_buckets"], [0, 2] + [0] * 9)
+            self.assertEqual(d["allocation_keys"], 5)
 
     def test_store_threshold(self):
         with Manager(num_slots=4, key_len=8, store_threshold=2) as m:

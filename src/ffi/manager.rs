@@ -101,7 +101,20 @@ pub struct kvo_manager_stats {
     /// Events dropped, oldest first, because the event buffer was full (cumulative; see
     /// `kvo_manager_config.enable_events`).
     pub events_dropped: u64,
+    /// `kvo_manager_prepare_store*` calls that allocated slots, per number of keys to store,
+    /// not cumulative: bucket `i` counts allocations of at most 1, 4, 16, 64, 256, 1024, 4096,
+    /// 16384, 65536, 262144 keys (and above the bucket before); the last bucket counts larger
+    /// ones (vLLM 0.33's `kv_offload_cpu_allocation_size` buckets). With
+    /// `KVO_SEMANTICS_VLLM_0_33` a call that answered `KVO_STATUS_NO_ROOM` counts too, as in
+    /// vLLM 0.33; with `KVO_SEMANTICS_VLLM_0_24` only calls that succeeded (cumulative).
+    pub allocation_size_buckets: [u64; KVO_ALLOCATION_SIZE_BUCKETS],
+    /// Keys of the allocations counted in `allocation_size_buckets` (cumulative).
+    pub allocation_keys: u64,
 }
+
+/// Buckets of `kvo_manager_stats.allocation_size_buckets`.
+pub const KVO_ALLOCATION_SIZE_BUCKETS: usize = 11;
+const _: () = assert!(KVO_ALLOCATION_SIZE_BUCKETS == crate::manager::ALLOCATION_SIZE_BUCKETS);
 
 impl From<ManagerStats> for kvo_manager_stats {
     fn from(s: ManagerStats) -> Self {
@@ -118,6 +131,8 @@ impl From<ManagerStats> for kvo_manager_stats {
             stores_skipped: s.stores_skipped,
             evictions: s.evictions,
             events_dropped: s.events_dropped,
+            allocation_size_buckets: s.allocation_size_buckets,
+            allocation_keys: s.allocation_keys,
         }
     }
 }

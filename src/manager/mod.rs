@@ -31,8 +31,8 @@ mod types;
 
 pub use events::{Event, EventLog, MIN_EVENT_KEYS};
 pub use types::{
-    Lookup, ManagerConfig, ManagerStats, Policy, PrefixLookup, RequestId, Semantics, StoreCounts,
-    StorePlan,
+    ALLOCATION_SIZE_BOUNDS, ALLOCATION_SIZE_BUCKETS, Lookup, ManagerConfig, ManagerStats, Policy,
+    PrefixLookup, RequestId, Semantics, StoreCounts, StorePlan,
 };
 
 use crate::error::{Error, Result, invalid};

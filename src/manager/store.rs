@@ -136,6 +136,7 @@ impl Manager {
         }
         self.make_room(to_store, out_evicted)?;
         self.stats.stores_skipped += skipped;
+        self.stats.record_allocation(to_store);
         let mut no_rank = NO_ID;
         self.insert_new(keys, &[], out_indices, out_slots, &mut no_rank)
     }
@@ -263,6 +264,7 @@ impl Manager {
         if to_store == 0 {
             return Ok(StoreCounts::default());
         }
+        self.stats.record_allocation(to_store);
         self.make_room(to_store, out_evicted)?;
         let rec = self.records.current(i, self.generation);
         let mut rank = rec.rank;

@@ -300,6 +300,65 @@ fn the_threshold_counts_offers_and_keeps_the_offer_tracked() {
     assert_eq!(skipped(&t), 10);
 }
 
+/// vLLM 0.33 `get_stats`: the allocation-size histogram counts every `prepare_store` that
+/// reached allocation, the no-room answers included; usage, write and read gauges.
+#[test]
+fn allocation_sizes_and_usage_gauges() {
+    let mut t = T::with(ManagerConfig {
+        key_len: 8,
+        num_slots: 3,
+        store_threshold: 2,
+        semantics: V033,
+        ..Default::default()
+    });
+    let gauges = |t: &T| {
+        let n = crate::metrics::Naming::new("p", &[]).unwrap();
+        let mut out = String::new();
+        crate::metrics::manager_text(&n, &t.m.stats(), &mut out).unwrap();
+        let value = |name: &str| {
+            let line = out.lines().find(|l| l.starts_with(&format!("p_{name} ")));
+            line.unwrap_or_else(|| panic!("{name} in {out}"))[name.len() + 3..].to_string()
+        };
+        [
+            "cpu_cache_usage_perc",
+            "cpu_cache_write_usage_perc",
+            "cpu_cache_read_usage_perc",
+        ]
+        .map(value)
+    };
+    let buckets = |t: &T| t.m.stats().allocation_size_buckets;
+    assert_eq!(t.ps("a", &ks(&[1, 2])), stored(&[], &[], &[]));
+    assert_eq!(buckets(&t), [0; 11]);
+    assert_eq!(t.ps("a", &ks(&[1, 2, 3])), stored(&[1, 2], &[0, 1], &[]));
+    let mut want = [0; 11];
+    want[1] = 1; // 2 keys: the bucket of at most 4
+    assert_eq!((buckets(&t), t.m.stats().allocation_keys), (want, 2));
+    let two_thirds = "0.6666666666666666".to_string();
+    assert_eq!(
+        gauges(&t),
+        [two_thirds.clone(), two_thirds.clone(), "0".into()]
+    );
+    t.cs(&ks(&[1]), true);
+    t.pl("a", &ks(&[1]));
+    assert_eq!(t.ps("a", &ks(&[4, 5])), stored(&[], &[], &[]));
+    assert_eq!(t.ps("a", &ks(&[4, 5])), None);
+    want[1] = 2; // the no-room answer counts
+    assert_eq!((buckets(&t), t.m.stats().allocation_keys), (want, 4));
+    let third = "0.3333333333333333".to_string();
+    assert_eq!(gauges(&t), [two_thirds, third.clone(), third]);
+    // Capacity 0: every allocation answers no room, and counts; the gauges are 0.
+    let mut z = T::new(V033, Policy::Lru, 0);
+    assert_eq!(z.ps("a", &ks(&[1])), None);
+    let mut want = [0; 11];
+    want[0] = 1;
+    assert_eq!(buckets(&z), want);
+    assert_eq!(gauges(&z), ["0", "0", "0"].map(String::from));
+    // 0.24 semantics counts only the allocations that succeeded.
+    let mut z = T::new(V024, Policy::Lru, 0);
+    assert_eq!(z.ps("", &ks(&[1])), None);
+    assert_eq!(buckets(&z), [0; 11]);
+}
+
 /// A failed store emits a metadata-only removal; draining drops the keys stored again since.
 #[test]
 fn a_failed_store_is_a_metadata_only_removal_of_the_keys_still_absent() {

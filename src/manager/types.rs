@@ -140,4 +140,28 @@ pub struct ManagerStats {
     pub evictions: u64,
     /// Events dropped, oldest first, because the buffer was full (cumulative).
     pub events_dropped: u64,
+    /// `prepare_store` calls that allocated slots, per number of keys to store (vLLM 0.33's
+    /// `kv_offload_cpu_allocation_size` histogram), not cumulative: bucket `i` counts sizes in
+    /// `(ALLOCATION_SIZE_BOUNDS[i - 1], ALLOCATION_SIZE_BOUNDS[i]]`, the last one larger sizes.
+    /// In 0.33 semantics a call that answered no room counts too (as in vLLM 0.33); in 0.24
+    /// semantics only calls that succeeded.
+    pub allocation_size_buckets: [u64; ALLOCATION_SIZE_BUCKETS],
+    /// Keys of the allocations counted in `allocation_size_buckets` (the histogram's sum).
+    pub allocation_keys: u64,
+}
+
+/// Upper bounds of the allocation-size buckets, in keys (vLLM 0.33's buckets); one more bucket
+/// takes every larger allocation.
+pub const ALLOCATION_SIZE_BOUNDS: [u64; 10] = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144];
+
+/// Buckets of [`ManagerStats::allocation_size_buckets`].
+pub const ALLOCATION_SIZE_BUCKETS: usize = ALLOCATION_SIZE_BOUNDS.len() + 1;
+
+impl ManagerStats {
+    /// Counts one allocation of `keys` slots.
+    pub(crate) fn record_allocation(&mut self, keys: usize) {
+        let keys = keys as u64;
+        self.allocation_size_buckets[ALLOCATION_SIZE_BOUNDS.partition_point(|&b| b < keys)] += 1;
+        self.allocation_keys += keys;
+    }
 }
