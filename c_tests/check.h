@@ -104,4 +104,67 @@ static inline int eq_u32(const uint32_t *got, size_t n, const uint64_t *want, si
     return ok;
 }
 
+/* ---- tables of bad-input cases -------------------------------------------------------------
+ * A table lists cases, each ONE call with ONE bad argument: the status the call must return,
+ * a word its message must contain (the bad argument's name; NULL: any message), and what must
+ * hold afterwards of the outputs it was given (`then`). Calls run on the program's fixture
+ * (`struct fixture`, defined by each program that has tables): its `before` hook runs before
+ * each case (a snapshot of the object, the outputs reset to their sentinels), its `after` hook
+ * after it (nothing changed). A table is written as an X-macro list of rows
+ * `X(name, call, STATUS, "arg", then)` (STATUS without its KVO_STATUS_ prefix; `call` and
+ * `then` are expressions of `f`, the fixture) and made with CASE_TABLE(table, LIST). */
+typedef struct fixture fixture;
+
+typedef struct {
+    const char *name;      /* the case, in a word */
+    const char *call_text; /* the call as written, starting with the kvo_ function's name */
+    kvo_status (*call)(fixture *f);
+    kvo_status want;
+    const char *arg;
+    int (*then)(const fixture *f); /* NULL: nothing more to check */
+    const char *then_text;
+} bad_case;
+
+typedef struct {
+    void (*before)(fixture *f);
+    void (*after)(fixture *f, int line, const char *what);
+} fixture_hooks;
+
+#define CASE_DEFINE(name, call, want, arg, then)                                                \
+    static kvo_status name(fixture *f) {                                                        \
+        (void)f;                                                                                \
+        return (call);                                                                          \
+    }                                                                                           \
+    static int name##_then(const fixture *f) {                                                  \
+        (void)f;                                                                                \
+        return (then);                                                                          \
+    }
+#define CASE_ROW(name, call, want, arg, then)                                                   \
+    {#name, #call, name, KVO_STATUS_##want, arg, name##_then, #then},
+/* Defines the functions of the rows of LIST and the array `table` of them. */
+#define CASE_TABLE(table, LIST)                                                                 \
+    LIST(CASE_DEFINE)                                                                           \
+    static const bad_case table[] = {LIST(CASE_ROW)}
+
+/* Runs every case of `cases` (n) on `f`; a failure names the case. */
+static inline void run_cases(fixture *f, const fixture_hooks *hooks, const bad_case *cases,
+                             size_t n, int line) {
+    for (size_t i = 0; i < n; i++) {
+        const bad_case *c = &cases[i];
+        int failed_before = failed;
+        hooks->before(f);
+        kvo_status got = c->call(f);
+        check_status(got, c->want, c->arg, line, c->call_text);
+        if (c->then != NULL) {
+            check(c->then(f), line, c->then_text);
+        }
+        hooks->after(f, line, c->call_text);
+        if (failed != failed_before) {
+            printf("  (in case %s)\n", c->name);
+        }
+    }
+}
+#define RUN_CASES(f, hooks, table)                                                              \
+    run_cases((f), (hooks), (table), sizeof(table) / sizeof((table)[0]), __LINE__)
+
 #endif

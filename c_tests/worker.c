@@ -720,6 +720,143 @@ static void test_scheduler_step(void) {
     tensor_free(&t1);
 }
 
+/* ---- bad input, as tables (check.h) ------------------------------------------------------ */
+
+#define MAX_REGIONS 6
+#define LEN0 ((size_t)SLOTS * PAGE0 * FACTOR) /* host tier buffer of a tensor of PAGE0 pages */
+#define LEN1 ((size_t)SLOTS * PAGE1 * FACTOR)
+
+/* The outputs a case may be given; outputs_reset fills them with 0xA5 before each case. */
+typedef struct {
+    char buf[256];
+    size_t len, n, host_len;
+    void *host_ptr;
+    kvo_completion done[2];
+} outputs;
+
+struct fixture {
+    kvo_worker *w; /* NULL for the kvo_worker_new cases */
+    kvo_worker_stats before;
+    /* Memory no case may change (tensors, host tier buffers), and its bytes before the case. */
+    struct {
+        const uint8_t *mem;
+        size_t len;
+        uint8_t *copy;
+    } region[MAX_REGIONS];
+    size_t n_regions;
+    outputs o;
+    tensor_t *t0, *t1;
+    /* kvo_worker_new cases: the good arguments, edited by the case, and *out. */
+    kvo_worker_config good, cfg;
+    kvo_kv_tensor ok[2], ts[2];
+    kvo_host_buffer host_ok[2], hb[2];
+    kvo_worker *out;
+};
+
+static void outputs_reset(outputs *o) {
+    memset(o, 0xA5, sizeof *o);
+}
+
+/* The case wrote no output; prints the first byte it wrote. */
+static int outputs_kept(const fixture *f) {
+    outputs ref;
+    outputs_reset(&ref);
+    const unsigned char *got = (const unsigned char *)&f->o, *want = (const unsigned char *)&ref;
+    for (size_t i = 0; i < sizeof ref; i++) {
+        if (got[i] != want[i]) {
+            printf("  output byte %zu written\n", i);
+            return 0;
+        }
+    }
+    return 1;
+}
+#define KEPT outputs_kept(f)
+
+/* IDS(1, 2): an array of block ids or slots. */
+#define IDS(...) ((const uint32_t[]){__VA_ARGS__})
+
+/* `mem` (len bytes) must not change in any case. */
+static void watch(fixture *f, const void *mem, size_t len) {
+    if (f->n_regions == MAX_REGIONS) {
+        printf("too many regions\n");
+        exit(2);
+    }
+    f->region[f->n_regions].mem = mem;
+    f->region[f->n_regions].len = len;
+    f->region[f->n_regions].copy = malloc(len);
+    f->n_regions++;
+}
+
+static void fixture_free(fixture *f) {
+    for (size_t i = 0; i < f->n_regions; i++) {
+        free(f->region[i].copy);
+    }
+    f->n_regions = 0;
+}
+
+static kvo_worker_stats worker_stats(const kvo_worker *w) {
+    kvo_worker_stats s;
+    memset(&s, 0, sizeof s);
+    s.struct_size = sizeof s;
+    CHECK_OK(kvo_worker_get_stats(w, &s));
+    return s;
+}
+
+/* Before each case: the worker's stats and the watched bytes, fresh outputs; after it: the same
+ * stats (no job taken, handed out or counted) and bytes (nothing copied). */
+static void worker_before(fixture *f) {
+    if (f->w != NULL) {
+        f->before = worker_stats(f->w);
+    }
+    for (size_t i = 0; i < f->n_regions; i++) {
+        memcpy(f->region[i].copy, f->region[i].mem, f->region[i].len);
+    }
+    outputs_reset(&f->o);
+}
+static void worker_after(fixture *f, int line, const char *what) {
+    if (f->w != NULL) {
+        kvo_worker_stats after = worker_stats(f->w);
+        int same = memcmp(&f->before, &after, sizeof after) == 0;
+        check(same, line, "the case changed the worker's stats");
+        if (!same) {
+            printf("  %s: jobs in flight %llu -> %llu\n", what,
+                   (unsigned long long)f->before.jobs_in_flight,
+                   (unsigned long long)after.jobs_in_flight);
+        }
+    }
+    for (size_t i = 0; i < f->n_regions; i++) {
+        check(bytes_are(f->region[i].mem, f->region[i].copy, f->region[i].len, "watched bytes"),
+              line, "the case left the tensors and host buffers alone");
+    }
+}
+static const fixture_hooks worker_hooks = {worker_before, worker_after};
+
+/* Bad swaps (tensors 0 and 2 have pages of 64 bytes, tensor 1 of 40; tensor 2 has 8 blocks):
+ * exact status, a message naming the argument, nothing copied or queued. */
+#define BAD_SWAPS(X)                                                                            \
+    X(swap_pages, kvo_worker_swap_blocks(f->w, 0, 1, IDS(0), IDS(0), 1, 0, 0),                  \
+      INVALID_ARGUMENT, "page", KEPT)                                                           \
+    X(swap_job_pages, kvo_worker_swap_blocks(f->w, 1, 0, IDS(0), IDS(0), 1, 1, 60),             \
+      INVALID_ARGUMENT, "page", KEPT)                                                           \
+    X(swap_dst_tensor, kvo_worker_swap_blocks(f->w, 0, 3, IDS(0), IDS(0), 1, 0, 0),             \
+      INVALID_ARGUMENT, "dst_tensor", KEPT)                                                     \
+    X(swap_src_tensor, kvo_worker_swap_blocks(f->w, 7, 0, IDS(0), IDS(0), 1, 1, 61),            \
+      INVALID_ARGUMENT, "src_tensor", KEPT)                                                     \
+    X(swap_src_block, kvo_worker_swap_blocks(f->w, 0, 0, IDS(NBLOCKS), IDS(0), 1, 0, 0),        \
+      INVALID_ARGUMENT, "src_blocks", KEPT)                                                     \
+    X(swap_dst_block, kvo_worker_swap_blocks(f->w, 0, 2, IDS(0), IDS(8), 1, 1, 62),             \
+      INVALID_ARGUMENT, "dst_blocks", KEPT)                                                     \
+    X(swap_no_src, kvo_worker_swap_blocks(f->w, 0, 2, NULL, IDS(0), 1, 0, 0), NULL_ARGUMENT,    \
+      "src_blocks", KEPT)                                                                       \
+    X(swap_no_dst, kvo_worker_swap_blocks(f->w, 0, 2, IDS(0), NULL, 1, 0, 0), NULL_ARGUMENT,    \
+      "dst_blocks", KEPT)                                                                       \
+    X(swap_no_worker, kvo_worker_swap_blocks(NULL, 0, 2, IDS(0), IDS(0), 1, 0, 0),              \
+      NULL_ARGUMENT, "worker", KEPT)                                                            \
+    X(swap_same_block, /* read and written by one swap (copies of a job have no order) */       \
+      kvo_worker_swap_blocks(f->w, 2, 2, IDS(0), IDS(0), 1, 0, 0), INVALID_ARGUMENT,            \
+      "also a source", KEPT)
+CASE_TABLE(bad_swaps, BAD_SWAPS);
+
 /* ---- swaps and caller buffers ------------------------------------------------------------ */
 
 
@@ -769,35 +906,24 @@ static void test_swap(void) {
     CHECK(tensor_is(&t0, want0));
     CHECK(tensor_is(&t2, want2));
 
-    /* Bad swaps: exact status, a message naming the argument, nothing copied or queued. */
-    const uint32_t one[1] = {0}, big[1] = {NBLOCKS}, eight[1] = {8};
-    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 1, one, one, 1, 0, 0),
-                 KVO_STATUS_INVALID_ARGUMENT, "page");
-    CHECK_STATUS(kvo_worker_swap_blocks(w, 1, 0, one, one, 1, 1, 60),
-                 KVO_STATUS_INVALID_ARGUMENT, "page");
-    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 3, one, one, 1, 0, 0),
-                 KVO_STATUS_INVALID_ARGUMENT, "dst_tensor");
-    CHECK_STATUS(kvo_worker_swap_blocks(w, 7, 0, one, one, 1, 1, 61),
-                 KVO_STATUS_INVALID_ARGUMENT, "src_tensor");
-    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 0, big, one, 1, 0, 0),
-                 KVO_STATUS_INVALID_ARGUMENT, "src_blocks");
-    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 2, one, eight, 1, 1, 62),
-                 KVO_STATUS_INVALID_ARGUMENT, "dst_blocks");
-    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 2, NULL, one, 1, 0, 0), KVO_STATUS_NULL_ARGUMENT,
-                 "src_blocks");
-    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 2, one, NULL, 1, 0, 0), KVO_STATUS_NULL_ARGUMENT,
-                 "dst_blocks");
-    CHECK_STATUS(kvo_worker_swap_blocks(NULL, 0, 2, one, one, 1, 0, 0),
-                 KVO_STATUS_NULL_ARGUMENT, "worker");
+    /* Bad swaps: the table BAD_SWAPS. */
+    fixture f;
+    memset(&f, 0, sizeof f);
+    f.w = w;
+    watch(&f, t0.mem, t0.size);
+    watch(&f, t1.mem, t1.size);
+    watch(&f, t2.mem, t2.size);
+    watch(&f, HOST_BUF(w, 0, LEN0), LEN0);
+    watch(&f, HOST_BUF(w, 1, LEN1), LEN1);
+    watch(&f, HOST_BUF(w, 2, LEN0), LEN0);
+    RUN_CASES(&f, &worker_hooks, bad_swaps);
+    fixture_free(&f);
     CHECK(tensor_is(&t0, want0));
     CHECK(tensor_is(&t2, want2));
     CHECK_UNTOUCHED(t1);
     CHECK_IDLE(w);
     /* The ids of refused swap jobs were not taken. */
-    /* A block read and written by one swap is refused (copies of a job have no order). */
-    CHECK_STATUS(kvo_worker_swap_blocks(w, 2, 2, one, one, 1, 0, 0), KVO_STATUS_INVALID_ARGUMENT,
-                 "also a source");
-    CHECK_OK(kvo_worker_swap_blocks(w, 0, 2, one, one, 1, 1, 60));
+    CHECK_OK(kvo_worker_swap_blocks(w, 0, 2, IDS(0), IDS(0), 1, 1, 60));
     d = WAIT_POLL(w, 60);
     CHECK_DONE(d, 60, 1, PAGE0);
 
@@ -860,148 +986,220 @@ static void test_caller_buffers(void) {
     tensor_free(&t1);
 }
 
-/* ---- bad input -------------------------------------------------------------------------- */
+/* kvo_worker_new's arguments: the good ones edited by `edit` (the case's one bad field). */
+#define CFG(edit) ((edit), &f->cfg)
+#define TS(edit) ((edit), f->ts)
+#define HB(edit) ((edit), f->hb)
+#define SENTINEL ((kvo_worker *)(uintptr_t)0x1230)
+#define NO_HANDLE (f->out == SENTINEL)
 
-/* A kvo_worker_new that must fail with `want`, name `arg`, leave `*out` and the tensors alone. */
-static void bad_new_(const kvo_worker_config *c, const kvo_kv_tensor *ts, size_t n,
-                     const kvo_host_buffer *hb, kvo_status want, const char *arg,
-                     const tensor_t *t0, const tensor_t *t1, int line, const char *what) {
-    kvo_worker *const sentinel = (kvo_worker *)(uintptr_t)0x1230;
-    kvo_worker *w = sentinel;
-    check_status(kvo_worker_new(c, ts, n, hb, &w), want, arg, line, what);
-    check(w == sentinel, line, "kvo_worker_new left *out alone");
-    if (w != sentinel && w != NULL) {
-        kvo_worker_free(w);
-    }
-    check(tensor_is(t0, t0->orig) && tensor_is(t1, t1->orig), line, "tensors unchanged");
+static void new_before(fixture *f) {
+    f->cfg = f->good;
+    memcpy(f->ts, f->ok, sizeof f->ts);
+    memcpy(f->hb, f->host_ok, sizeof f->hb);
+    f->out = SENTINEL;
+    worker_before(f);
 }
-#define BAD_NEW(c, ts, n, hb, want, arg)                                                        \
-    bad_new_((c), (ts), (n), (hb), (want), (arg), &t0, &t1, __LINE__, "kvo_worker_new")
+static void new_after(fixture *f, int line, const char *what) {
+    if (f->out != SENTINEL && f->out != NULL) {
+        kvo_worker_free(f->out);
+    }
+    worker_after(f, line, what);
+}
+static const fixture_hooks new_hooks = {new_before, new_after};
 
-/* 7. kvo_worker_new refuses bad configs and registrations. */
+/* 7. kvo_worker_new refuses bad configs and registrations: NULL pointers, config fields,
+ * tensors (overlapping, repeated, empty, misaligned, on a device), caller host buffers (too
+ * small, NULL, sized for another factor); no handle written, no memory touched. */
+#define BAD_NEW(X)                                                                              \
+    X(no_cfg, kvo_worker_new(NULL, f->ts, 2, NULL, &f->out), NULL_ARGUMENT, "cfg", NO_HANDLE)   \
+    X(no_tensors, kvo_worker_new(&f->cfg, NULL, 2, NULL, &f->out), NULL_ARGUMENT, "tensors",    \
+      NO_HANDLE)                                                                                \
+    X(no_out, kvo_worker_new(&f->cfg, f->ts, 2, NULL, NULL), NULL_ARGUMENT, "out", NO_HANDLE)   \
+    X(size_short, kvo_worker_new(CFG(f->cfg.struct_size = sizeof f->cfg - 1), f->ts, 2, NULL,   \
+                                 &f->out),                                                      \
+      INVALID_ARGUMENT, "struct_size", NO_HANDLE)                                               \
+    X(size_0, kvo_worker_new(CFG(f->cfg.struct_size = 0), f->ts, 2, NULL, &f->out),             \
+      INVALID_ARGUMENT, "struct_size", NO_HANDLE)                                               \
+    X(factor_0, kvo_worker_new(CFG(f->cfg.block_size_factor = 0), f->ts, 2, NULL, &f->out),     \
+      INVALID_ARGUMENT, "block_size_factor", NO_HANDLE)                                         \
+    X(slots_0, kvo_worker_new(CFG(f->cfg.num_host_slots = 0), f->ts, 2, NULL, &f->out),         \
+      INVALID_ARGUMENT, "num_host_slots", NO_HANDLE)                                            \
+    X(backend, kvo_worker_new(CFG(f->cfg.backend = 7), f->ts, 2, NULL, &f->out),                \
+      INVALID_ARGUMENT, "backend", NO_HANDLE)                                                   \
+    X(no_tensor, kvo_worker_new(&f->cfg, f->ts, 0, NULL, &f->out), INVALID_ARGUMENT, "tensors", \
+      NO_HANDLE)                                                                                \
+    X(no_tensor_null, kvo_worker_new(&f->cfg, NULL, 0, NULL, &f->out), INVALID_ARGUMENT,        \
+      "tensors", NO_HANDLE)                                                                     \
+    X(overlap, /* tensor 1 starts inside tensor 0's last page */                                \
+      kvo_worker_new(&f->cfg,                                                                   \
+                     TS((f->ts[1].base = f->ts[0].base + (NBLOCKS - 1) * STRIDE0 + 8,           \
+                         f->ts[1].num_blocks = 1)),                                             \
+                     2, NULL, &f->out),                                                         \
+      INVALID_ARGUMENT, "overlaps", NO_HANDLE)                                                  \
+    X(same_twice, kvo_worker_new(&f->cfg, TS(f->ts[1] = f->ts[0]), 2, NULL, &f->out),           \
+      INVALID_ARGUMENT, "tensors[1]", NO_HANDLE)                                                \
+    X(page_0, kvo_worker_new(&f->cfg, TS(f->ts[0].page_size = 0), 2, NULL, &f->out),            \
+      INVALID_ARGUMENT, "tensors[0]", NO_HANDLE)                                                \
+    X(blocks_0, kvo_worker_new(&f->cfg, TS(f->ts[1].num_blocks = 0), 2, NULL, &f->out),         \
+      INVALID_ARGUMENT, "tensors[1]", NO_HANDLE)                                                \
+    X(stride_unaligned, /* >= page 40, not a multiple of 8 */                                   \
+      kvo_worker_new(&f->cfg, TS(f->ts[1].block_stride = 60), 2, NULL, &f->out),                \
+      INVALID_ARGUMENT, "block_stride", NO_HANDLE)                                              \
+    X(stride_short, /* < page 40 */                                                             \
+      kvo_worker_new(&f->cfg, TS(f->ts[1].block_stride = 32), 2, NULL, &f->out),                \
+      INVALID_ARGUMENT, "block_stride", NO_HANDLE)                                              \
+    X(base_misaligned, kvo_worker_new(&f->cfg, TS(f->ts[0].base += 4), 2, NULL, &f->out),       \
+      INVALID_ARGUMENT, "base", NO_HANDLE)                                                      \
+    X(base_0, kvo_worker_new(&f->cfg, TS(f->ts[0].base = 0), 2, NULL, &f->out),                 \
+      INVALID_ARGUMENT, "tensors[0].base", NO_HANDLE)                                           \
+    X(extent_overflow,                                                                          \
+      kvo_worker_new(&f->cfg, TS(f->ts[0].base = UINT64_MAX - 7), 2, NULL, &f->out),            \
+      INVALID_ARGUMENT, "tensors[0]", NO_HANDLE)                                                \
+    X(on_device, kvo_worker_new(&f->cfg, TS(f->ts[1].on_device = 1), 2, NULL, &f->out),         \
+      INVALID_ARGUMENT, "tensors[1]", NO_HANDLE)                                                \
+    X(host_short, kvo_worker_new(&f->cfg, f->ts, 2, HB(f->hb[1].len = LEN1 - 1), &f->out),      \
+      INVALID_ARGUMENT, "host_buffers[1]", NO_HANDLE)                                           \
+    X(host_null, kvo_worker_new(&f->cfg, f->ts, 2, HB(f->hb[0].ptr = NULL), &f->out),           \
+      INVALID_ARGUMENT, "host_buffers[0]", NO_HANDLE)                                           \
+    X(host_factor_1, /* a host buffer for a factor-3 tier sized for factor 1 */                 \
+      kvo_worker_new(&f->cfg, f->ts, 2, HB(f->hb[0].len = (size_t)SLOTS * PAGE0), &f->out),     \
+      INVALID_ARGUMENT, "host_buffers[0]", NO_HANDLE)
+CASE_TABLE(bad_new, BAD_NEW);
+
 static void test_bad_new(void) {
     tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 13);
     tensor_t t1 = tensor_new(NBLOCKS, STRIDE1, PAGE1, 14);
-    const kvo_kv_tensor ok[2] = {t0.t, t1.t};
-    kvo_kv_tensor ts[2];
-    const kvo_worker_config good = wcfg(FACTOR, SLOTS);
-    kvo_worker_config c;
+    uint8_t *m0 = malloc(LEN0), *m1 = malloc(LEN1);
+    memset(m0, 0x11, LEN0);
+    memset(m1, 0x22, LEN1);
+    fixture f;
+    memset(&f, 0, sizeof f);
+    f.good = wcfg(FACTOR, SLOTS);
+    f.ok[0] = t0.t;
+    f.ok[1] = t1.t;
+    f.host_ok[0] = (kvo_host_buffer){m0, LEN0};
+    f.host_ok[1] = (kvo_host_buffer){m1, LEN1};
+    watch(&f, t0.mem, t0.size);
+    watch(&f, t1.mem, t1.size);
+    watch(&f, m0, LEN0);
+    watch(&f, m1, LEN1);
 
-    /* NULL pointers. */
-    BAD_NEW(NULL, ok, 2, NULL, KVO_STATUS_NULL_ARGUMENT, "cfg");
-    BAD_NEW(&good, NULL, 2, NULL, KVO_STATUS_NULL_ARGUMENT, "tensors");
-    CHECK_STATUS(kvo_worker_new(&good, ok, 2, NULL, NULL), KVO_STATUS_NULL_ARGUMENT, "out");
+    RUN_CASES(&f, &new_hooks, bad_new);
 
-    /* Config. */
-    c = good;
-    c.struct_size = sizeof c - 1;
-    BAD_NEW(&c, ok, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "struct_size");
-    c.struct_size = 0;
-    BAD_NEW(&c, ok, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "struct_size");
-    c = good;
-    c.block_size_factor = 0;
-    BAD_NEW(&c, ok, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "block_size_factor");
-    c = good;
-    c.num_host_slots = 0;
-    BAD_NEW(&c, ok, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "num_host_slots");
-    c = good;
-    c.backend = 7;
-    BAD_NEW(&c, ok, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "backend");
-
-    /* Registrations. */
-    BAD_NEW(&good, ok, 0, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors");
-    BAD_NEW(&good, NULL, 0, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors");
-    memcpy(ts, ok, sizeof ts); /* tensor 1 starts inside tensor 0's last page */
-    ts[1].base = t0.t.base + (NBLOCKS - 1) * STRIDE0 + 8;
-    ts[1].num_blocks = 1;
-    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "overlaps");
-    memcpy(ts, ok, sizeof ts); /* the same tensor twice */
-    ts[1] = ts[0];
-    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors[1]");
-    memcpy(ts, ok, sizeof ts);
-    ts[0].page_size = 0;
-    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors[0]");
-    memcpy(ts, ok, sizeof ts);
-    ts[1].num_blocks = 0;
-    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors[1]");
-    memcpy(ts, ok, sizeof ts);
-    ts[1].block_stride = 60; /* >= page 40, not a multiple of 8 */
-    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "block_stride");
-    memcpy(ts, ok, sizeof ts);
-    ts[1].block_stride = 32; /* < page 40 */
-    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "block_stride");
-    memcpy(ts, ok, sizeof ts);
-    ts[0].base += 4; /* misaligned base */
-    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "base");
-    memcpy(ts, ok, sizeof ts);
-    ts[0].base = 0;
-    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors[0].base");
-    memcpy(ts, ok, sizeof ts);
-    ts[0].base = UINT64_MAX - 7; /* extent overflows */
-    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors[0]");
-    memcpy(ts, ok, sizeof ts);
-    ts[1].on_device = 1;
-    BAD_NEW(&good, ts, 2, NULL, KVO_STATUS_INVALID_ARGUMENT, "tensors[1]");
-
-    /* Caller host buffers: too small, or NULL. */
-    const size_t len0 = (size_t)SLOTS * PAGE0 * FACTOR, len1 = (size_t)SLOTS * PAGE1 * FACTOR;
-    uint8_t *m0 = malloc(len0), *m1 = malloc(len1);
-    memset(m0, 0x11, len0);
-    memset(m1, 0x22, len1);
-    kvo_host_buffer hb[2] = {{m0, len0}, {m1, len1 - 1}};
-    BAD_NEW(&good, ok, 2, hb, KVO_STATUS_INVALID_ARGUMENT, "host_buffers[1]");
-    hb[1].len = len1;
-    hb[0].ptr = NULL;
-    BAD_NEW(&good, ok, 2, hb, KVO_STATUS_INVALID_ARGUMENT, "host_buffers[0]");
-    /* A host buffer for a factor-3 tier sized for factor 1. */
-    hb[0].ptr = m0;
-    hb[0].len = (size_t)SLOTS * PAGE0;
-    BAD_NEW(&good, ok, 2, hb, KVO_STATUS_INVALID_ARGUMENT, "host_buffers[0]");
-    {
-        int untouched = 1;
-        for (size_t i = 0; i < len0; i++) {
-            untouched &= m0[i] == 0x11;
-        }
-        for (size_t i = 0; i < len1; i++) {
-            untouched &= m1[i] == 0x22;
-        }
-        CHECK(untouched);
+    CHECK(tensor_is(&t0, t0.orig) && tensor_is(&t1, t1.orig));
+    int untouched = 1;
+    for (size_t i = 0; i < LEN0; i++) {
+        untouched &= m0[i] == 0x11;
     }
+    for (size_t i = 0; i < LEN1; i++) {
+        untouched &= m1[i] == 0x22;
+    }
+    CHECK(untouched);
+    fixture_free(&f);
     free(m0);
     free(m1);
 
     /* The good registration works after all these. */
-    kvo_worker *w = NEW_WORKER(&good, ok, 2, NULL);
+    kvo_worker *w = NEW_WORKER(&f.good, f.ok, 2, NULL);
     kvo_worker_free(w);
     kvo_worker_free(NULL);
     tensor_free(&t0);
     tensor_free(&t1);
 }
 
-/* 8. Bad calls on a live worker. */
-static void test_bad_calls(void) {
-    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 15);
-    tensor_t t1 = tensor_new(NBLOCKS, STRIDE1, PAGE1, 16);
-    const kvo_kv_tensor ts[2] = {t0.t, t1.t};
-    kvo_worker_config c = wcfg(FACTOR, SLOTS);
-    kvo_worker *w = NEW_WORKER(&c, ts, 2, NULL);
-    const size_t len0 = (size_t)SLOTS * PAGE0 * FACTOR, len1 = (size_t)SLOTS * PAGE1 * FACTOR;
-    uint8_t *h0 = HOST_BUF(w, 0, len0), *h1 = HOST_BUF(w, 1, len1);
-    uint8_t *zero = calloc(1, len0);
-    const uint32_t two[2] = {1, 2};
+/* 8. Bad calls on a live worker (tensors 0 and 1, 16 host slots, factor 3). First on an idle
+ * one: NULL arguments and unknown kinds are refused at submit, and take no job id. */
+#define IDLE(X)                                                                                 \
+    X(submit_no_worker,                                                                         \
+      kvo_worker_submit_job(NULL, 1, KVO_JOB_KIND_STORE, IDS(1, 2), 2, IDS(1, 2), 1, 0, 0),     \
+      NULL_ARGUMENT, "worker", KEPT)                                                            \
+    X(submit_no_src,                                                                            \
+      kvo_worker_submit_job(f->w, 1, KVO_JOB_KIND_STORE, NULL, 2, IDS(1, 2), 1, 0, 0),          \
+      NULL_ARGUMENT, "src", KEPT)                                                               \
+    X(submit_no_dst,                                                                            \
+      kvo_worker_submit_job(f->w, 1, KVO_JOB_KIND_STORE, IDS(1, 2), 2, NULL, 1, 0, 0),          \
+      NULL_ARGUMENT, "dst", KEPT)                                                               \
+    X(submit_kind, kvo_worker_submit_job(f->w, 1, 2, IDS(1, 2), 2, IDS(1, 2), 1, 0, 0),         \
+      INVALID_ARGUMENT, "kind", KEPT)                                                           \
+    X(wait_refused_id, kvo_worker_wait(f->w, U64S(1), WAIT_MS), NOT_FOUND, "job_ids[0]", KEPT)
+CASE_TABLE(idle, IDLE);
 
-    /* Refused at submit: NULL arguments and unknown kinds. */
-    CHECK_STATUS(kvo_worker_submit_job(NULL, 1, KVO_JOB_KIND_STORE, two, 2, two, 1, 0, 0),
-                 KVO_STATUS_NULL_ARGUMENT, "worker");
-    CHECK_STATUS(kvo_worker_submit_job(w, 1, KVO_JOB_KIND_STORE, NULL, 2, two, 1, 0, 0),
-                 KVO_STATUS_NULL_ARGUMENT, "src");
-    CHECK_STATUS(kvo_worker_submit_job(w, 1, KVO_JOB_KIND_STORE, two, 2, NULL, 1, 0, 0),
-                 KVO_STATUS_NULL_ARGUMENT, "dst");
-    CHECK_STATUS(kvo_worker_submit_job(w, 1, 2, two, 2, two, 1, 0, 0),
-                 KVO_STATUS_INVALID_ARGUMENT, "kind");
+/* Jobs 10..14 were accepted and failed (block ids outside the registration), not polled yet:
+ * their errors are kept only once handed out, and their ids are in flight until then. */
+#define FAILED_NOT_POLLED(X)                                                                    \
+    X(error_not_polled, kvo_worker_job_error(f->w, 10, f->o.buf, sizeof f->o.buf, &f->o.len),   \
+      NOT_FOUND, "10", KEPT)                                                                    \
+    X(submit_failed_id, kvo_worker_submit_job(f->w, 10, KVO_JOB_KIND_STORE, U32S(3), U32S(4),   \
+                                              0, 0),                                            \
+      INVALID_STATE, "job_id", KEPT)
+CASE_TABLE(failed_not_polled, FAILED_NOT_POLLED);
+
+/* Polled: kvo_worker_job_error's bad arguments and unknown jobs. */
+#define ERRORS(X)                                                                               \
+    X(error_no_buf, kvo_worker_job_error(f->w, 10, NULL, 8, &f->o.len), NULL_ARGUMENT, "buf",   \
+      KEPT)                                                                                     \
+    X(error_no_len, kvo_worker_job_error(f->w, 10, f->o.buf, sizeof f->o.buf, NULL),            \
+      NULL_ARGUMENT, "out_len", KEPT)                                                           \
+    X(error_no_worker, kvo_worker_job_error(NULL, 10, f->o.buf, sizeof f->o.buf, &f->o.len),    \
+      NULL_ARGUMENT, "worker", KEPT)                                                            \
+    X(error_unknown, kvo_worker_job_error(f->w, 777, f->o.buf, sizeof f->o.buf, &f->o.len),     \
+      NOT_FOUND, "777", KEPT)
+CASE_TABLE(errors, ERRORS);
+
+/* Job 20 (a store) finished, not polled: its id cannot be taken again (the refused duplicate, a
+ * load into block 5, does not run). */
+#define JOB_NOT_POLLED(X)                                                                       \
+    X(submit_id_in_flight,                                                                      \
+      kvo_worker_submit_job(f->w, 20, KVO_JOB_KIND_LOAD, U32S(4), U32S(5), 0, 0),               \
+      INVALID_STATE, "job_id", KEPT)
+CASE_TABLE(job_not_polled, JOB_NOT_POLLED);
+
+/* Job 20 succeeded and was polled: no error message, nothing to wait for; bad waits. */
+#define JOB_POLLED(X)                                                                           \
+    X(error_succeeded, kvo_worker_job_error(f->w, 20, f->o.buf, sizeof f->o.buf, &f->o.len),    \
+      NOT_FOUND, "20", KEPT)                                                                    \
+    X(wait_unknown, kvo_worker_wait(f->w, U64S(777), WAIT_MS), NOT_FOUND, "777", KEPT)          \
+    X(wait_polled, kvo_worker_wait(f->w, U64S(20), WAIT_MS), NOT_FOUND, "20", KEPT)             \
+    X(wait_no_ids, kvo_worker_wait(f->w, NULL, 1, WAIT_MS), NULL_ARGUMENT, "job_ids", KEPT)     \
+    X(wait_no_worker, kvo_worker_wait(NULL, U64S(20), WAIT_MS), NULL_ARGUMENT, "worker", KEPT)
+CASE_TABLE(job_polled, JOB_POLLED);
+
+/* Job 30 finished, not polled: a refused poll hands nothing out and loses nothing; host
+ * buffers of an unknown tensor or into NULL. */
+#define FINISHED_NOT_POLLED(X)                                                                  \
+    X(poll_no_n, kvo_worker_poll(f->w, f->o.done, 2, NULL), NULL_ARGUMENT, "out_n", KEPT)       \
+    X(poll_no_out, kvo_worker_poll(f->w, NULL, 2, &f->o.n), NULL_ARGUMENT, "out", KEPT)         \
+    X(poll_no_worker, kvo_worker_poll(NULL, f->o.done, 2, &f->o.n), NULL_ARGUMENT, "worker",    \
+      KEPT)                                                                                     \
+    X(host_tensor, kvo_worker_get_host_buffer(f->w, 2, &f->o.host_ptr, &f->o.host_len),         \
+      INVALID_ARGUMENT, "tensor", KEPT)                                                         \
+    X(host_no_ptr, kvo_worker_get_host_buffer(f->w, 0, NULL, &f->o.host_len), NULL_ARGUMENT,    \
+      "out_ptr", KEPT)                                                                          \
+    X(host_no_len, kvo_worker_get_host_buffer(f->w, 0, &f->o.host_ptr, NULL), NULL_ARGUMENT,    \
+      "out_len", KEPT)                                                                          \
+    X(host_no_worker, kvo_worker_get_host_buffer(NULL, 0, &f->o.host_ptr, &f->o.host_len),      \
+      NULL_ARGUMENT, "worker", KEPT)
+CASE_TABLE(finished_not_polled, FINISHED_NOT_POLLED);
+
+/* Shut down (jobs 40 and 41 finished, not polled): submissions and swaps are refused. */
+#define SHUT_DOWN(X)                                                                            \
+    X(submit_shut_down,                                                                         \
+      kvo_worker_submit_job(f->w, 42, KVO_JOB_KIND_STORE, U32S(6), U32S(9), 0, 0),              \
+      INVALID_STATE, "shut down", KEPT)                                                         \
+    X(swap_shut_down, kvo_worker_swap_blocks(f->w, 0, 0, IDS(3), IDS(13), 1, 0, 0),             \
+      INVALID_STATE, "shut down", KEPT)                                                         \
+    X(swap_job_shut_down, kvo_worker_swap_blocks(f->w, 0, 0, IDS(3), IDS(13), 1, 1, 43),        \
+      INVALID_STATE, "shut down", KEPT)                                                         \
+    X(wait_refused, kvo_worker_wait(f->w, U64S(42), WAIT_MS), NOT_FOUND, "42", KEPT)            \
+    X(shutdown_no_worker, kvo_worker_shutdown(NULL), NULL_ARGUMENT, "worker", KEPT)
+CASE_TABLE(shut_down, SHUT_DOWN);
+
+/* Refused and failed submissions. */
+static void bad_calls_on_submit(fixture *f) {
+    kvo_worker *w = f->w;
+    RUN_CASES(f, &worker_hooks, idle);
     CHECK_IDLE(w);
-    /* ... which took no job id. */
-    CHECK_STATUS(kvo_worker_wait(w, U64S(1), WAIT_MS), KVO_STATUS_NOT_FOUND, "job_ids[0]");
 
     /* Accepted at submit, failed at poll: block ids outside the registration. */
     CHECK_OK(kvo_worker_submit_job(w, 10, KVO_JOB_KIND_STORE, U32S(3, 99), U32S(4), 0, 0));
@@ -1009,15 +1207,8 @@ static void test_bad_calls(void) {
     CHECK_OK(kvo_worker_submit_job(w, 12, KVO_JOB_KIND_STORE, U32S(3), U32S(SLOTS), 0, 0));
     CHECK_OK(kvo_worker_submit_job(w, 13, KVO_JOB_KIND_STORE, U32S(3, 4), U32S(1, 2), 0, 0));
     CHECK_OK(kvo_worker_submit_job(w, 14, KVO_JOB_KIND_LOAD, U32S(SLOTS + 5), U32S(0), 0, 0));
-    /* The error is kept only once the completion was handed out. */
-    char buf[256];
-    size_t len = 77;
-    CHECK_STATUS(kvo_worker_job_error(w, 10, buf, sizeof buf, &len), KVO_STATUS_NOT_FOUND,
-                 "10");
-    CHECK(len == 77);
-    /* Failed job ids are in flight until polled. */
-    CHECK_STATUS(kvo_worker_submit_job(w, 10, KVO_JOB_KIND_STORE, U32S(3), U32S(4), 0, 0),
-                 KVO_STATUS_INVALID_STATE, "job_id");
+    CHECK_OK(kvo_worker_wait(w, U64S(10, 11, 12, 13, 14), WAIT_MS));
+    RUN_CASES(f, &worker_hooks, failed_not_polled);
     done_t d = WAIT_POLL(w, 10, 11, 12, 13, 14);
     CHECK(d.n == 5);
     CHECK_DONE(d, 10, 0, 0);
@@ -1030,110 +1221,95 @@ static void test_bad_calls(void) {
     CHECK_JOB_ERROR(w, 12, "16");
     CHECK_JOB_ERROR(w, 13, "slot");
     CHECK_JOB_ERROR(w, 14, "21");
-    /* Nothing was copied by the failed jobs. */
-    CHECK(bytes_are(h0, zero, len0, "host buffer 0"));
-    CHECK(bytes_are(h1, zero, len1, "host buffer 1"));
-    CHECK_UNTOUCHED(t0);
-    CHECK_UNTOUCHED(t1);
     CHECK_IDLE(w);
+}
 
-    /* kvo_worker_job_error: truncation, sizing, bad arguments, unknown jobs. */
-    {
-        char small[6];
-        size_t full = 0, full2 = 0;
-        memset(small, 'x', sizeof small);
-        CHECK_OK(kvo_worker_job_error(w, 10, buf, sizeof buf, &full));
-        CHECK_OK(kvo_worker_job_error(w, 10, small, sizeof small, &full2));
-        CHECK(full2 == full && full == strlen(buf) && full > 5);
-        CHECK(small[5] == '\0' && memcmp(small, buf, 5) == 0);
-        full2 = 0;
-        CHECK_OK(kvo_worker_job_error(w, 10, NULL, 0, &full2)); /* sizing call */
-        CHECK(full2 == full);
-        len = 77;
-        CHECK_STATUS(kvo_worker_job_error(w, 10, NULL, 8, &len), KVO_STATUS_NULL_ARGUMENT, "buf");
-        CHECK(len == 77);
-        CHECK_STATUS(kvo_worker_job_error(w, 10, buf, sizeof buf, NULL),
-                     KVO_STATUS_NULL_ARGUMENT, "out_len");
-        CHECK_STATUS(kvo_worker_job_error(NULL, 10, buf, sizeof buf, &len),
-                     KVO_STATUS_NULL_ARGUMENT, "worker");
-        CHECK_STATUS(kvo_worker_job_error(w, 777, buf, sizeof buf, &len), KVO_STATUS_NOT_FOUND,
-                     "777");
-        CHECK(len == 77);
-    }
-    /* A successful job has no error message. */
+/* kvo_worker_job_error (truncation, sizing, bad arguments), job ids in use, kvo_worker_wait. */
+static void bad_calls_on_ids(fixture *f) {
+    kvo_worker *w = f->w;
+    char buf[256], small[6];
+    size_t full = 0, full2 = 0;
+    memset(small, 'x', sizeof small);
+    CHECK_OK(kvo_worker_job_error(w, 10, buf, sizeof buf, &full));
+    CHECK_OK(kvo_worker_job_error(w, 10, small, sizeof small, &full2));
+    CHECK(full2 == full && full == strlen(buf) && full > 5);
+    CHECK(small[5] == '\0' && memcmp(small, buf, 5) == 0);
+    full2 = 0;
+    CHECK_OK(kvo_worker_job_error(w, 10, NULL, 0, &full2)); /* sizing call */
+    CHECK(full2 == full);
+    RUN_CASES(f, &worker_hooks, errors);
+
+    /* A successful job has no error message; its id is taken until polled. */
     CHECK_OK(kvo_worker_submit_job(w, 20, KVO_JOB_KIND_STORE, U32S(3), U32S(4), 0, 0));
-    /* Duplicate in-flight id. */
-    CHECK_STATUS(kvo_worker_submit_job(w, 20, KVO_JOB_KIND_LOAD, U32S(4), U32S(5), 0, 0),
-                 KVO_STATUS_INVALID_STATE, "job_id");
-    d = WAIT_POLL(w, 20);
+    CHECK_OK(kvo_worker_wait(w, U64S(20), WAIT_MS));
+    RUN_CASES(f, &worker_hooks, job_not_polled);
+    done_t d = WAIT_POLL(w, 20);
     CHECK(d.n == 1);
     CHECK_DONE(d, 20, 1, PAGES);
-    CHECK_STATUS(kvo_worker_job_error(w, 20, buf, sizeof buf, &len), KVO_STATUS_NOT_FOUND, "20");
-    CHECK_UNTOUCHED(t0); /* the refused duplicate (a load into block 5) did not run */
+    RUN_CASES(f, &worker_hooks, job_polled);
+    CHECK_UNTOUCHED(*f->t0); /* the refused duplicate (a load into block 5) did not run */
     /* Once polled, the id may be used again. */
     CHECK_OK(kvo_worker_submit_job(w, 20, KVO_JOB_KIND_STORE, U32S(3), U32S(4), 0, 0));
     d = WAIT_POLL(w, 20);
     CHECK_DONE(d, 20, 1, PAGES);
 
-    /* kvo_worker_wait. */
-    CHECK_STATUS(kvo_worker_wait(w, U64S(777), WAIT_MS), KVO_STATUS_NOT_FOUND, "777");
-    CHECK_STATUS(kvo_worker_wait(w, U64S(20), WAIT_MS), KVO_STATUS_NOT_FOUND, "20"); /* polled */
-    CHECK_STATUS(kvo_worker_wait(w, NULL, 1, WAIT_MS), KVO_STATUS_NULL_ARGUMENT, "job_ids");
-    CHECK_STATUS(kvo_worker_wait(NULL, U64S(20), WAIT_MS), KVO_STATUS_NULL_ARGUMENT, "worker");
-
-    /* kvo_worker_poll: a refused poll hands nothing out and loses nothing. */
+    /* kvo_worker_poll and kvo_worker_get_host_buffer, with job 30 waiting to be polled. */
     CHECK_OK(kvo_worker_submit_job(w, 30, KVO_JOB_KIND_STORE, U32S(3), U32S(5), 0, 0));
     CHECK_OK(kvo_worker_wait(w, U64S(30), WAIT_MS));
-    size_t n = 99;
-    kvo_completion cs[2];
-    CHECK_STATUS(kvo_worker_poll(w, cs, 2, NULL), KVO_STATUS_NULL_ARGUMENT, "out_n");
-    CHECK_STATUS(kvo_worker_poll(w, NULL, 2, &n), KVO_STATUS_NULL_ARGUMENT, "out");
-    CHECK(n == 99);
-    CHECK_STATUS(kvo_worker_poll(NULL, cs, 2, &n), KVO_STATUS_NULL_ARGUMENT, "worker");
-    CHECK(n == 99);
+    RUN_CASES(f, &worker_hooks, finished_not_polled);
     d = WAIT_POLL(w, 30);
     CHECK(d.n == 1);
     CHECK_DONE(d, 30, 1, PAGES);
+}
 
-    /* kvo_worker_get_host_buffer. */
-    void *p = (void *)(uintptr_t)0x40;
-    size_t plen = 55;
-    CHECK_STATUS(kvo_worker_get_host_buffer(w, 2, &p, &plen), KVO_STATUS_INVALID_ARGUMENT,
-                 "tensor");
-    CHECK_STATUS(kvo_worker_get_host_buffer(w, 0, NULL, &plen), KVO_STATUS_NULL_ARGUMENT,
-                 "out_ptr");
-    CHECK_STATUS(kvo_worker_get_host_buffer(w, 0, &p, NULL), KVO_STATUS_NULL_ARGUMENT,
-                 "out_len");
-    CHECK_STATUS(kvo_worker_get_host_buffer(NULL, 0, &p, &plen), KVO_STATUS_NULL_ARGUMENT,
-                 "worker");
-    CHECK(p == (void *)(uintptr_t)0x40 && plen == 55);
-
-    /* kvo_worker_shutdown: finishes what is in flight, keeps it pollable, refuses the rest. */
+/* kvo_worker_shutdown: finishes what is in flight, keeps it pollable, refuses the rest. */
+static void bad_calls_at_shutdown(fixture *f) {
+    kvo_worker *w = f->w;
     CHECK_OK(kvo_worker_submit_job(w, 40, KVO_JOB_KIND_STORE, U32S(6, 7, 8), U32S(9), 0, 0));
     CHECK_OK(kvo_worker_wait(w, U64S(40), WAIT_MS)); /* the lanes are independent */
     CHECK_OK(kvo_worker_submit_job(w, 41, KVO_JOB_KIND_LOAD, U32S(9), U32S(10, 11, 12), 0, 0));
     CHECK_OK(kvo_worker_shutdown(w));
-    CHECK_STATUS(kvo_worker_submit_job(w, 42, KVO_JOB_KIND_STORE, U32S(6), U32S(9), 0, 0),
-                 KVO_STATUS_INVALID_STATE, "shut down");
-    const uint32_t one[1] = {3}, other[1] = {13};
-    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 0, one, other, 1, 0, 0), KVO_STATUS_INVALID_STATE,
-                 "shut down");
-    CHECK_STATUS(kvo_worker_swap_blocks(w, 0, 0, one, other, 1, 1, 43), KVO_STATUS_INVALID_STATE,
-                 "shut down");
-    CHECK(bytes_are(block(&t0, 13), orig_block(&t0, 13), PAGE0, "block 13 after the swaps"));
+    RUN_CASES(f, &worker_hooks, shut_down);
+    CHECK(bytes_are(block(f->t0, 13), orig_block(f->t0, 13), PAGE0, "block 13 after the swaps"));
     CHECK_OK(kvo_worker_shutdown(w)); /* again: harmless */
-    d = WAIT_POLL(w, 40, 41);
+    done_t d = WAIT_POLL(w, 40, 41);
     CHECK(d.n == 2);
     CHECK_DONE(d, 40, 1, 3 * PAGES);
     CHECK_DONE(d, 41, 1, 3 * PAGES);
     /* Both ran to the end (the load read what the store wrote). */
-    CHECK(bytes_are(block(&t0, 10), orig_block(&t0, 6), PAGE0, "block 10"));
-    CHECK(bytes_are(block(&t1, 12), orig_block(&t1, 8), PAGE1, "block 12"));
-    CHECK_STATUS(kvo_worker_wait(w, U64S(42), WAIT_MS), KVO_STATUS_NOT_FOUND, "42");
-    CHECK_STATUS(kvo_worker_shutdown(NULL), KVO_STATUS_NULL_ARGUMENT, "worker");
+    CHECK(bytes_are(block(f->t0, 10), orig_block(f->t0, 6), PAGE0, "block 10"));
+    CHECK(bytes_are(block(f->t1, 12), orig_block(f->t1, 8), PAGE1, "block 12"));
+}
 
+static void test_bad_calls(void) {
+    tensor_t t0 = tensor_new(NBLOCKS, STRIDE0, PAGE0, 15);
+    tensor_t t1 = tensor_new(NBLOCKS, STRIDE1, PAGE1, 16);
+    const kvo_kv_tensor ts[2] = {t0.t, t1.t};
+    kvo_worker_config c = wcfg(FACTOR, SLOTS);
+    fixture f;
+    memset(&f, 0, sizeof f);
+    f.w = NEW_WORKER(&c, ts, 2, NULL);
+    f.t0 = &t0;
+    f.t1 = &t1;
+    uint8_t *h0 = HOST_BUF(f.w, 0, LEN0), *h1 = HOST_BUF(f.w, 1, LEN1);
+    uint8_t *zero = calloc(1, LEN0);
+    watch(&f, t0.mem, t0.size);
+    watch(&f, t1.mem, t1.size);
+    watch(&f, h0, LEN0);
+    watch(&f, h1, LEN1);
+
+    bad_calls_on_submit(&f);
+    /* Nothing was copied by the failed jobs. */
+    CHECK(bytes_are(h0, zero, LEN0, "host buffer 0"));
+    CHECK(bytes_are(h1, zero, LEN1, "host buffer 1"));
+    CHECK_UNTOUCHED(t0);
+    CHECK_UNTOUCHED(t1);
+    bad_calls_on_ids(&f);
+    bad_calls_at_shutdown(&f);
+
+    fixture_free(&f);
     free(zero);
-    kvo_worker_free(w);
+    kvo_worker_free(f.w);
     tensor_free(&t0);
     tensor_free(&t1);
 }
