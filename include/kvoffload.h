@@ -979,7 +979,8 @@ KVO_NODISCARD kvo_status kvo_manager_config_default(struct kvo_manager_config *o
  *
  * Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `cfg` or `out` is NULL;
  * `KVO_STATUS_INVALID_ARGUMENT` for a `struct_size` too small, `key_len` outside 1..=64, an
- * unknown policy, `num_slots` too large, or `max_tracker_size` 0 with a store threshold;
+ * unknown policy or semantics, `num_slots` too large, or `max_tracker_size` 0 with a store
+ * threshold;
  * `KVO_STATUS_OUT_OF_MEMORY` if the tier's index for `num_slots` cannot be allocated.
  *
  * # Safety

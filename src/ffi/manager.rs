@@ -240,7 +240,8 @@ fn to_config(c: &kvo_manager_config) -> Result<ManagerConfig, Failure> {
 ///
 /// Returns `KVO_STATUS_OK`; `KVO_STATUS_NULL_ARGUMENT` if `cfg` or `out` is NULL;
 /// `KVO_STATUS_INVALID_ARGUMENT` for a `struct_size` too small, `key_len` outside 1..=64, an
-/// unknown policy, `num_slots` too large, or `max_tracker_size` 0 with a store threshold;
+/// unknown policy or semantics, `num_slots` too large, or `max_tracker_size` 0 with a store
+/// threshold;
 /// `KVO_STATUS_OUT_OF_MEMORY` if the tier's index for `num_slots` cannot be allocated.
 ///
 /// # Safety
