@@ -191,6 +191,7 @@ pub fn run(input: &Input) {
         store_threshold: 0,
         enable_events: 0,
         max_tracker_size: 0,
+        semantics: 0,
     };
     // SAFETY: writable config.
     assert_eq!(

@@ -17,7 +17,7 @@
 
 use arbitrary::Arbitrary;
 use kvoffload::Error;
-use kvoffload::manager::Policy;
+use kvoffload::manager::{Policy, Semantics};
 use kvoffload::plan::{Direction, Step};
 use kvoffload::scheduler::{
     DeferReason, JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig,
@@ -243,6 +243,8 @@ pub fn run(input: &Input) {
         store_threshold: if input.threshold { 2 } else { 0 },
         max_tracker_size: 8,
         enable_events: false,
+        // The host model and the promises checked are those of vLLM 0.24 semantics.
+        semantics: Semantics::Vllm024,
     };
     let mut s = Scheduler::new(cfg.clone()).expect("valid config");
     let mut host = Host {
