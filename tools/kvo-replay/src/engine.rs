@@ -24,13 +24,16 @@
 //!    from the next step (with `--copy`, after checking the loaded blocks' content).
 //!
 //! The engine's clock advances `step_ms` per step; an idle engine jumps to the next arrival.
-//! Without a host tier (the baseline), steps 2–5 skip the scheduler.
+//! Without a host tier (the baseline), steps 2–5 skip the scheduler. In vLLM 0.33 semantics a
+//! request finished in a step gets its final store jobs from the next `build_step`, so the
+//! engine is not idle until that step ran (as vLLM, whose scheduler has requests while finished
+//! ones are still to be reported).
 
 use crate::copier::{Copier, Traffic};
 use crate::gpu_cache::GpuCache;
 use crate::trace::Workload;
 use anyhow::{Context, Result, bail};
-use kvoffload::manager::Policy;
+use kvoffload::manager::{Policy, Semantics};
 use kvoffload::plan::{Direction, Step};
 use kvoffload::scheduler::{JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig};
 use serde::Serialize;
@@ -59,6 +62,8 @@ pub struct EngineConfig {
     pub kv_bytes_per_token: u64,
     /// Check the scheduler's invariants every this many steps (0: at the end only).
     pub check_every: u64,
+    /// The vLLM release whose semantics the scheduler and its tier follow.
+    pub semantics: Semantics,
 }
 
 /// The host tier of a run; `None` runs the baseline without offloading.
@@ -79,6 +84,19 @@ pub struct Deferrals {
     pub store_in_flight: u64,
     /// A hit block was being loaded for another request.
     pub being_loaded: u64,
+}
+
+/// The scheduler's gauges after the last step (a run fails unless they are all 0).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct AtEnd {
+    pub loads_in_flight: u64,
+    pub stores_in_flight: u64,
+    /// Host slots pinned by loads.
+    pub pinned: u64,
+    /// Requests the scheduler still tracks.
+    pub requests_tracked: u64,
+    /// GPU blocks requests still hold.
+    pub gpu_blocks_held: u64,
 }
 
 /// Median and 99th percentile, microseconds.
@@ -150,6 +168,11 @@ pub struct RunStats {
     pub evictions: u64,
     /// Store attempts the tier answered "no room".
     pub no_room: u64,
+    /// Checks of the scheduler's invariants that passed (every `--check-every` steps and at
+    /// the end; 0 without a host tier).
+    pub invariant_checks: u64,
+    /// The gauges after the last step.
+    pub at_end: AtEnd,
     /// With `--copy`: the worker's traffic and the blocks checked after loads.
     pub copy_loads: Option<Traffic>,
     pub copy_stores: Option<Traffic>,
@@ -250,6 +273,8 @@ pub struct Engine<'w> {
     scheduled: Vec<(usize, u64)>,
     preempted: Vec<u64>,
     plan: Step,
+    /// vLLM 0.33: requests finished since the last `build_step` (their final stores are due).
+    final_pending: bool,
 }
 
 /// Runs `work` through the engine, with the host tier `tier` (None: the baseline) and, with
@@ -305,6 +330,7 @@ impl<'w> Engine<'w> {
                     policy: t.policy,
                     num_workers: 1,
                     offload_prompt_only: true,
+                    semantics: cfg.semantics,
                     ..Default::default()
                 })
                 .context("the scheduler's configuration")?,
@@ -357,6 +383,7 @@ impl<'w> Engine<'w> {
             scheduled: Vec::new(),
             preempted: Vec::new(),
             plan: Step::new(),
+            final_pending: false,
         })
     }
 
@@ -376,8 +403,11 @@ impl<'w> Engine<'w> {
     fn run(&mut self, progress: &mut dyn FnMut(u64)) -> Result<()> {
         let n = self.work.requests.len();
         let mut idle_steps = 0u64;
-        while self.finished < n || !self.queue.is_empty() {
-            let busy = !self.running.is_empty() || self.loading > 0 || !self.queue.is_empty();
+        while self.finished < n || !self.queue.is_empty() || self.final_pending {
+            let busy = !self.running.is_empty()
+                || self.loading > 0
+                || !self.queue.is_empty()
+                || self.final_pending;
             if !busy && self.waiting.is_empty() && self.next_arrival < n {
                 // Idle: jump to the next arrival.
                 let at = self.work.requests[self.next_arrival].arrival_ms;
@@ -415,10 +445,11 @@ impl<'w> Engine<'w> {
         Ok(())
     }
 
-    fn check(&self) -> Result<()> {
+    fn check(&mut self) -> Result<()> {
         if let Some(s) = &self.sched {
             s.check_invariants()
                 .with_context(|| format!("scheduler invariants at step {}", self.step_no))?;
+            self.stats.invariant_checks += 1;
         }
         Ok(())
     }
@@ -628,6 +659,7 @@ impl<'w> Engine<'w> {
         let res = sched.build_step(&reqs, &self.preempted, &mut self.plan);
         self.step_lib += t.elapsed();
         res.context("build_step")?;
+        self.final_pending = false;
         drop(reqs);
         for &(r, _) in &self.scheduled {
             let l = &mut self.live[r];
@@ -713,6 +745,7 @@ impl<'w> Engine<'w> {
         self.timed(Some(r), |s| s.finish_request(r as u64))
             .transpose()
             .context("finish_request")?;
+        self.final_pending |= self.sched.is_some() && self.cfg.semantics == Semantics::Vllm033;
         let l = &mut self.live[r];
         self.gpu.free(&l.blocks);
         l.blocks = Vec::new();
@@ -785,6 +818,13 @@ impl<'w> Engine<'w> {
         let mut s = std::mem::take(&mut self.stats);
         if let Some(sched) = &self.sched {
             let st = sched.stats();
+            s.at_end = AtEnd {
+                loads_in_flight: st.loads_in_flight,
+                stores_in_flight: st.stores_in_flight,
+                pinned: st.manager.pinned,
+                requests_tracked: st.requests,
+                gpu_blocks_held: 0,
+            };
             if st.loads_in_flight + st.stores_in_flight > 0 || st.manager.pinned > 0 {
                 bail!(
                     "at the end: {} loads and {} stores in flight, {} keys pinned",
@@ -804,6 +844,7 @@ impl<'w> Engine<'w> {
             s.evictions = st.manager.evictions;
             s.no_room = st.store_no_room;
         }
+        s.at_end.gpu_blocks_held = self.gpu.in_use() as u64;
         if self.gpu.in_use() > 0 {
             bail!("at the end: {} GPU blocks still held", self.gpu.in_use());
         }
