@@ -18,7 +18,10 @@
 //! falls below LRU or ARC.
 
 use crate::trace::Workload;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+/// Maps keyed by block id: foldhash, fixed seed (looked up, never iterated).
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::quality::FixedState>;
 
 const NEVER: (u64, u64) = (u64::MAX, 0);
 
@@ -33,7 +36,7 @@ fn full_blocks(w: &Workload) -> Vec<&[u64]> {
 
 /// For each request and position: (next request using the block, its position there).
 fn next_uses(reqs: &[&[u64]]) -> Vec<Vec<(u64, u64)>> {
-    let mut later: HashMap<u64, (u64, u64)> = HashMap::new();
+    let mut later: HashMap<u64, (u64, u64)> = HashMap::default();
     let mut out = vec![Vec::new(); reqs.len()];
     for (t, keys) in reqs.iter().enumerate().rev() {
         out[t] = keys
@@ -65,7 +68,7 @@ pub fn run(w: &Workload, capacity: usize) -> MinResult {
 pub fn run_on(reqs: &[&[u64]], capacity: usize) -> MinResult {
     let next = next_uses(reqs);
     // Cached blocks: key -> its eviction rank; ranks ordered, the largest evicted first.
-    let mut cached: HashMap<u64, (u64, u64, u64)> = HashMap::new();
+    let mut cached: HashMap<u64, (u64, u64, u64)> = HashMap::default();
     let mut order: BTreeSet<(u64, u64, u64)> = BTreeSet::new();
     let mut out = MinResult::default();
     for (t, keys) in reqs.iter().enumerate() {

@@ -6,6 +6,9 @@
 
 use std::collections::HashMap;
 
+/// Hashes of cached blocks: foldhash, fixed seed (the map is only looked up, never iterated).
+type Hasher = foldhash::quality::FixedState;
+
 const NIL: u32 = u32::MAX;
 
 /// The GPU block pool.
@@ -14,7 +17,7 @@ pub struct GpuCache {
     capacity: u32,
     ref_cnt: Vec<u32>,
     hash: Vec<Option<u128>>,
-    cached: HashMap<u128, u32>,
+    cached: HashMap<u128, u32, Hasher>,
     /// Free blocks, doubly linked, least recently freed at `head`.
     prev: Vec<u32>,
     next: Vec<u32>,
@@ -33,7 +36,7 @@ impl GpuCache {
             capacity,
             ref_cnt: vec![0; n],
             hash: vec![None; n],
-            cached: HashMap::new(),
+            cached: HashMap::with_capacity_and_hasher(n, Hasher::default()),
             prev: vec![NIL; n],
             next: vec![NIL; n],
             head: NIL,
