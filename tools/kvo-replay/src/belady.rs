@@ -17,11 +17,9 @@
 //! nothing at its next use if an earlier block of that prompt is gone): the report says where it
 //! falls below LRU or ARC.
 
+use crate::fasthash::HashMap;
 use crate::trace::Workload;
 use std::collections::BTreeSet;
-
-/// Maps keyed by block id: foldhash, fixed seed (looked up, never iterated).
-type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::quality::FixedState>;
 
 const NEVER: (u64, u64) = (u64::MAX, 0);
 

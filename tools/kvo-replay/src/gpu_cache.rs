@@ -4,10 +4,7 @@
 //! its blocks tail first, so its tail is reused before its head). With no capacity (0) there is
 //! no prefix cache and no limit: blocks are taken from an unbounded pool.
 
-use std::collections::HashMap;
-
-/// Hashes of cached blocks: foldhash, fixed seed (the map is only looked up, never iterated).
-type Hasher = foldhash::quality::FixedState;
+use crate::fasthash::{FoldState, HashMap};
 
 const NIL: u32 = u32::MAX;
 
@@ -17,7 +14,7 @@ pub struct GpuCache {
     capacity: u32,
     ref_cnt: Vec<u32>,
     hash: Vec<Option<u128>>,
-    cached: HashMap<u128, u32, Hasher>,
+    cached: HashMap<u128, u32>,
     /// Free blocks, doubly linked, least recently freed at `head`.
     prev: Vec<u32>,
     next: Vec<u32>,
@@ -36,7 +33,7 @@ impl GpuCache {
             capacity,
             ref_cnt: vec![0; n],
             hash: vec![None; n],
-            cached: HashMap::with_capacity_and_hasher(n, Hasher::default()),
+            cached: HashMap::with_capacity_and_hasher(n, FoldState),
             prev: vec![NIL; n],
             next: vec![NIL; n],
             head: NIL,

@@ -8,6 +8,7 @@
 mod belady;
 mod copier;
 mod engine;
+mod fasthash;
 mod gpu_cache;
 mod options;
 mod report;
