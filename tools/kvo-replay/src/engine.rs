@@ -40,6 +40,7 @@ use kvoffload::manager::{Policy, Semantics};
 use kvoffload::plan::{Direction, Step};
 use kvoffload::scheduler::{JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig};
 use serde::Serialize;
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -335,7 +336,11 @@ pub struct Engine<'w> {
     skip_plain: bool,
     /// Steps skipped so.
     skipped: u64,
+    /// [`Self::gpu_fit`]'s last answer: (request, GPU cache version, its tokens) → answer.
+    fit_memo: Cell<Option<FitMemo>>,
 }
+
+type FitMemo = ((usize, u64, u64), (usize, bool));
 
 /// `v` emptied, its allocation reused for another lifetime (collecting an empty iterator of a
 /// type of the same layout reuses the buffer in place).
@@ -458,6 +463,7 @@ impl<'w> Engine<'w> {
             got: Vec::new(),
             skip_plain: true,
             skipped: 0,
+            fit_memo: Cell::new(None),
         })
     }
 
@@ -663,22 +669,30 @@ impl<'w> Engine<'w> {
         Ok(())
     }
 
-    /// The GPU prefix hit of waiting request `r`, in blocks (whole blocks, at least one prompt
-    /// token left to compute).
-    fn gpu_hits(&self, r: usize) -> usize {
+    /// Waiting request `r`'s GPU prefix hit in blocks (whole blocks, at least one prompt token
+    /// left to compute), and whether it fits in the free GPU blocks. Remembered for the last
+    /// request asked while the GPU cache does not change (a request that does not fit is asked
+    /// again every step).
+    fn gpu_fit(&self, r: usize) -> (usize, bool) {
         let (bs, l) = (self.bs, &self.live[r]);
+        let key = (r, self.gpu.version(), l.tokens);
+        if let Some((k, fit)) = self.fit_memo.get()
+            && k == key
+        {
+            return fit;
+        }
         let cap = bs.full(l.tokens - 1) as usize;
-        self.gpu
+        let hits = self
+            .gpu
             .lookup_prefix(&l.hashes[..bs.full(l.tokens) as usize])
-            .min(cap)
-    }
-
-    /// Whether waiting request `r`, with `hits` GPU prefix blocks, fits in the free GPU blocks.
-    fn gpu_fits(&self, r: usize, hits: usize) -> bool {
+            .min(cap);
         let need = self.blocks_needed(r) - hits as u32;
-        self.gpu
-            .free_for(&self.live[r].hashes[..hits])
-            .is_none_or(|free| free >= need)
+        let fits = self
+            .gpu
+            .free_for(&l.hashes[..hits])
+            .is_none_or(|free| free >= need);
+        self.fit_memo.set(Some((key, (hits, fits))));
+        (hits, fits)
     }
 
     /// The baseline (no host tier) only: how many of the next steps are *plain*, changing
@@ -709,7 +723,7 @@ impl<'w> Engine<'w> {
         }
         if let Some(&w) = self.waiting.front()
             && self.running.len() < self.cfg.max_batch
-            && self.gpu_fits(w, self.gpu_hits(w))
+            && self.gpu_fit(w).1
         {
             return 0;
         }
@@ -756,7 +770,7 @@ impl<'w> Engine<'w> {
         while i < self.waiting.len() && self.running.len() + self.loading < self.cfg.max_batch {
             let r = self.waiting[i];
             let tokens = self.live[r].tokens;
-            let hits = self.gpu_hits(r);
+            let (hits, fits) = self.gpu_fit(r);
             let local = hits as u64 * self.gbs;
             let m = self.timed(Some(r), |s| s.match_request(r as u64, local));
             let host = match m.transpose().context("match_request")? {
@@ -767,7 +781,7 @@ impl<'w> Engine<'w> {
                     continue;
                 }
             };
-            if !self.gpu_fits(r, hits) {
+            if !fits {
                 break;
             }
             let need = self.blocks_needed(r) - hits as u32;
