@@ -17,8 +17,9 @@
 //! nothing at its next use if an earlier block of that prompt is gone): the report says where it
 //! falls below LRU or ARC.
 
+use crate::fasthash::HashMap;
 use crate::trace::Workload;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 const NEVER: (u64, u64) = (u64::MAX, 0);
 
@@ -33,7 +34,7 @@ fn full_blocks(w: &Workload) -> Vec<&[u64]> {
 
 /// For each request and position: (next request using the block, its position there).
 fn next_uses(reqs: &[&[u64]]) -> Vec<Vec<(u64, u64)>> {
-    let mut later: HashMap<u64, (u64, u64)> = HashMap::new();
+    let mut later: HashMap<u64, (u64, u64)> = HashMap::default();
     let mut out = vec![Vec::new(); reqs.len()];
     for (t, keys) in reqs.iter().enumerate().rev() {
         out[t] = keys
@@ -65,7 +66,7 @@ pub fn run(w: &Workload, capacity: usize) -> MinResult {
 pub fn run_on(reqs: &[&[u64]], capacity: usize) -> MinResult {
     let next = next_uses(reqs);
     // Cached blocks: key -> its eviction rank; ranks ordered, the largest evicted first.
-    let mut cached: HashMap<u64, (u64, u64, u64)> = HashMap::new();
+    let mut cached: HashMap<u64, (u64, u64, u64)> = HashMap::default();
     let mut order: BTreeSet<(u64, u64, u64)> = BTreeSet::new();
     let mut out = MinResult::default();
     for (t, keys) in reqs.iter().enumerate() {

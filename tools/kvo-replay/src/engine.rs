@@ -24,16 +24,23 @@
 //!    from the next step (with `--copy`, after checking the loaded blocks' content).
 //!
 //! The engine's clock advances `step_ms` per step; an idle engine jumps to the next arrival.
-//! Without a host tier (the baseline), steps 2–5 skip the scheduler.
+//! Without a host tier (the baseline), steps 2–5 skip the scheduler, and a run of steps in which
+//! nothing happens but one decode token per running request (no arrival, no admission, no GPU
+//! block allocated, completed or hashed, no request finishing) is taken in one go, with the
+//! figures of stepping through it. In vLLM 0.33 semantics a
+//! request finished in a step gets its final store jobs from the next `build_step`, so the
+//! engine is not idle until that step ran (as vLLM, whose scheduler has requests while finished
+//! ones are still to be reported).
 
 use crate::copier::{Copier, Traffic};
 use crate::gpu_cache::GpuCache;
 use crate::trace::Workload;
 use anyhow::{Context, Result, bail};
-use kvoffload::manager::Policy;
+use kvoffload::manager::{Policy, Semantics};
 use kvoffload::plan::{Direction, Step};
 use kvoffload::scheduler::{JobReport, Match, ScheduledRequest, Scheduler, SchedulerConfig};
 use serde::Serialize;
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -59,6 +66,8 @@ pub struct EngineConfig {
     pub kv_bytes_per_token: u64,
     /// Check the scheduler's invariants every this many steps (0: at the end only).
     pub check_every: u64,
+    /// The vLLM release whose semantics the scheduler and its tier follow.
+    pub semantics: Semantics,
 }
 
 /// The host tier of a run; `None` runs the baseline without offloading.
@@ -81,6 +90,23 @@ pub struct Deferrals {
     pub being_loaded: u64,
 }
 
+/// Steps in a row that admit, compute at admission and finish nothing before the engine
+/// declares itself stalled.
+const MAX_IDLE_STEPS: u64 = 1_000_000;
+
+/// The scheduler's gauges after the last step (a run fails unless they are all 0).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct AtEnd {
+    pub loads_in_flight: u64,
+    pub stores_in_flight: u64,
+    /// Host slots pinned by loads.
+    pub pinned: u64,
+    /// Requests the scheduler still tracks.
+    pub requests_tracked: u64,
+    /// GPU blocks requests still hold.
+    pub gpu_blocks_held: u64,
+}
+
 /// Median and 99th percentile, microseconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct Percentiles {
@@ -89,15 +115,22 @@ pub struct Percentiles {
 }
 
 impl Percentiles {
+    /// The values at ranks `round((n - 1) · q)` of the sorted `v` (selected, not sorted).
     fn of(mut v: Vec<f64>) -> Self {
         if v.is_empty() {
             return Self::default();
         }
-        v.sort_by(f64::total_cmp);
-        let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize] * 1e6;
+        let rank = |q: f64| ((v.len() - 1) as f64 * q).round() as usize;
+        let (m, p) = (rank(0.5), rank(0.99));
+        let (below, &mut p99, _) = v.select_nth_unstable_by(p, f64::total_cmp);
+        let median = if m < p {
+            *below.select_nth_unstable_by(m, f64::total_cmp).1
+        } else {
+            p99
+        };
         Self {
-            median_us: at(0.5),
-            p99_us: at(0.99),
+            median_us: median * 1e6,
+            p99_us: p99 * 1e6,
         }
     }
 }
@@ -150,6 +183,11 @@ pub struct RunStats {
     pub evictions: u64,
     /// Store attempts the tier answered "no room".
     pub no_room: u64,
+    /// Checks of the scheduler's invariants that passed (every `--check-every` steps and at
+    /// the end; 0 without a host tier).
+    pub invariant_checks: u64,
+    /// The gauges after the last step.
+    pub at_end: AtEnd,
     /// With `--copy`: the worker's traffic and the blocks checked after loads.
     pub copy_loads: Option<Traffic>,
     pub copy_stores: Option<Traffic>,
@@ -214,6 +252,42 @@ fn decode_hash(r: usize, i: usize) -> u128 {
     (2u128 << 120) | ((r as u128) << 64) | i as u128
 }
 
+/// Tokens per GPU block, dividing by a shift when it is a power of two (the engine divides
+/// token counts by it for every request in every step).
+#[derive(Debug, Clone, Copy)]
+struct BlockSize {
+    tokens: u64,
+    /// `Some(log2(tokens))` for a power of two.
+    shift: Option<u32>,
+}
+
+impl BlockSize {
+    fn new(tokens: u64) -> Self {
+        Self {
+            tokens,
+            shift: tokens.is_power_of_two().then(|| tokens.trailing_zeros()),
+        }
+    }
+
+    /// Full blocks of `t` tokens.
+    #[inline]
+    fn full(self, t: u64) -> u64 {
+        match self.shift {
+            Some(s) => t >> s,
+            None => t / self.tokens,
+        }
+    }
+
+    /// Blocks holding `t` tokens.
+    #[inline]
+    fn ceil(self, t: u64) -> u64 {
+        match self.shift {
+            Some(s) => (t >> s) + u64::from(t & (self.tokens - 1) != 0),
+            None => t.div_ceil(self.tokens),
+        }
+    }
+}
+
 fn key_into(hash: u128, key_len: usize, out: &mut Vec<u8>) {
     out.extend(std::iter::repeat_n(0, key_len - 16));
     out.extend_from_slice(&hash.to_be_bytes());
@@ -231,6 +305,7 @@ fn pct(a: u64, b: u64) -> f64 {
 pub struct Engine<'w> {
     cfg: EngineConfig,
     gbs: u64,
+    bs: BlockSize,
     work: &'w Workload,
     sched: Option<Scheduler>,
     gpu: GpuCache,
@@ -250,6 +325,28 @@ pub struct Engine<'w> {
     scheduled: Vec<(usize, u64)>,
     preempted: Vec<u64>,
     plan: Step,
+    /// vLLM 0.33: requests finished since the last `build_step` (their final stores are due).
+    final_pending: bool,
+    /// Buffers reused from step to step (no allocation per step).
+    requests_buf: Vec<ScheduledRequest<'static>>,
+    due: Vec<InFlight>,
+    reports: Vec<JobReport>,
+    got: Vec<u32>,
+    /// Skip plain steps of the baseline in one go (off in a test that steps through them).
+    skip_plain: bool,
+    /// Steps skipped so.
+    skipped: u64,
+    /// [`Self::gpu_fit`]'s last answer: (request, GPU cache version, its tokens) → answer.
+    fit_memo: Cell<Option<FitMemo>>,
+}
+
+type FitMemo = ((usize, u64, u64), (usize, bool));
+
+/// `v` emptied, its allocation reused for another lifetime (collecting an empty iterator of a
+/// type of the same layout reuses the buffer in place).
+fn reuse<'b>(mut v: Vec<ScheduledRequest<'_>>) -> Vec<ScheduledRequest<'b>> {
+    v.clear();
+    v.into_iter().map(|_| unreachable!()).collect()
 }
 
 /// Runs `work` through the engine, with the host tier `tier` (None: the baseline) and, with
@@ -305,6 +402,7 @@ impl<'w> Engine<'w> {
                     policy: t.policy,
                     num_workers: 1,
                     offload_prompt_only: true,
+                    semantics: cfg.semantics,
                     ..Default::default()
                 })
                 .context("the scheduler's configuration")?,
@@ -338,6 +436,7 @@ impl<'w> Engine<'w> {
         Ok(Self {
             cfg: cfg.clone(),
             gbs,
+            bs: BlockSize::new(gbs),
             work,
             sched,
             gpu: GpuCache::new(cfg.gpu_blocks),
@@ -357,6 +456,14 @@ impl<'w> Engine<'w> {
             scheduled: Vec::new(),
             preempted: Vec::new(),
             plan: Step::new(),
+            final_pending: false,
+            requests_buf: Vec::new(),
+            due: Vec::new(),
+            reports: Vec::new(),
+            got: Vec::new(),
+            skip_plain: true,
+            skipped: 0,
+            fit_memo: Cell::new(None),
         })
     }
 
@@ -376,8 +483,11 @@ impl<'w> Engine<'w> {
     fn run(&mut self, progress: &mut dyn FnMut(u64)) -> Result<()> {
         let n = self.work.requests.len();
         let mut idle_steps = 0u64;
-        while self.finished < n || !self.queue.is_empty() {
-            let busy = !self.running.is_empty() || self.loading > 0 || !self.queue.is_empty();
+        while self.finished < n || !self.queue.is_empty() || self.final_pending {
+            let busy = !self.running.is_empty()
+                || self.loading > 0
+                || !self.queue.is_empty()
+                || self.final_pending;
             if !busy && self.waiting.is_empty() && self.next_arrival < n {
                 // Idle: jump to the next arrival.
                 let at = self.work.requests[self.next_arrival].arrival_ms;
@@ -393,11 +503,15 @@ impl<'w> Engine<'w> {
                 self.stats.computed_tokens,
             );
             self.step()?;
-            self.step_times.push(self.step_lib.as_secs_f64());
+            if self.sched.is_some() {
+                self.step_times.push(self.step_lib.as_secs_f64());
+            }
             if self.cfg.check_every > 0 && self.stats.steps.is_multiple_of(self.cfg.check_every) {
                 self.check()?;
             }
-            progress(self.finished as u64);
+            if self.finished != before.0 {
+                progress(self.finished as u64);
+            }
             let after = (
                 self.finished,
                 self.stats.admissions,
@@ -408,17 +522,25 @@ impl<'w> Engine<'w> {
             } else {
                 0
             };
-            if idle_steps > 1_000_000 {
+            if idle_steps > MAX_IDLE_STEPS {
                 bail!("the engine stalled at step {} (a bug)", self.step_no);
+            }
+            // A plain step changes neither the finished requests, nor the admissions, nor the
+            // computed tokens (counted at admission): each counts as idle.
+            let k = self.plain_steps(MAX_IDLE_STEPS - idle_steps);
+            if k > 0 {
+                self.skip(k);
+                idle_steps += k;
             }
         }
         Ok(())
     }
 
-    fn check(&self) -> Result<()> {
+    fn check(&mut self) -> Result<()> {
         if let Some(s) = &self.sched {
             s.check_invariants()
                 .with_context(|| format!("scheduler invariants at step {}", self.step_no))?;
+            self.stats.invariant_checks += 1;
         }
         Ok(())
     }
@@ -493,7 +615,7 @@ impl<'w> Engine<'w> {
 
     /// Blocks a request needs to compute its tokens.
     fn blocks_needed(&self, r: usize) -> u32 {
-        self.live[r].tokens.div_ceil(self.gbs) as u32
+        self.bs.ceil(self.live[r].tokens) as u32
     }
 
     fn schedule_running(&mut self) -> Result<()> {
@@ -504,8 +626,9 @@ impl<'w> Engine<'w> {
                 .blocks_needed(r)
                 .saturating_sub(self.live[r].blocks.len() as u32);
             let mut preempted_self = false;
-            let mut got = Vec::new();
-            while !self.gpu.allocate(extra, &mut got) {
+            let mut got = std::mem::take(&mut self.got);
+            got.clear();
+            while extra > 0 && !self.gpu.allocate(extra, &mut got) {
                 let victim = self.running.pop().context("running list empty")?;
                 self.preempt(victim)?;
                 if victim == r {
@@ -513,10 +636,13 @@ impl<'w> Engine<'w> {
                     break;
                 }
             }
+            if !preempted_self {
+                self.live[r].blocks.extend_from_slice(&got);
+            }
+            self.got = got;
             if preempted_self {
                 continue;
             }
-            self.live[r].blocks.extend_from_slice(&got);
             let l = &self.live[r];
             self.scheduled.push((r, l.tokens - l.computed));
             i += 1;
@@ -543,18 +669,109 @@ impl<'w> Engine<'w> {
         Ok(())
     }
 
+    /// Waiting request `r`'s GPU prefix hit in blocks (whole blocks, at least one prompt token
+    /// left to compute), and whether it fits in the free GPU blocks. Remembered for the last
+    /// request asked while the GPU cache does not change (a request that does not fit is asked
+    /// again every step).
+    fn gpu_fit(&self, r: usize) -> (usize, bool) {
+        let (bs, l) = (self.bs, &self.live[r]);
+        let key = (r, self.gpu.version(), l.tokens);
+        if let Some((k, fit)) = self.fit_memo.get()
+            && k == key
+        {
+            return fit;
+        }
+        let cap = bs.full(l.tokens - 1) as usize;
+        let hits = self
+            .gpu
+            .lookup_prefix(&l.hashes[..bs.full(l.tokens) as usize])
+            .min(cap);
+        let need = self.blocks_needed(r) - hits as u32;
+        let fits = self
+            .gpu
+            .free_for(&l.hashes[..hits])
+            .is_none_or(|free| free >= need);
+        self.fit_memo.set(Some((key, (hits, fits))));
+        (hits, fits)
+    }
+
+    /// The baseline (no host tier) only: how many of the next steps are *plain*, changing
+    /// nothing but the clock and the running requests' token counts: no arrival, no admission
+    /// (the first waiting request does not fit, and nothing frees or fills a GPU block until it
+    /// might), and every running request computes one decode token that needs no new GPU
+    /// block, completes no block, is not its last and fills no block to hash. The engine skips
+    /// such steps in one go ([`Self::skip`]); the figures are those of stepping through them.
+    /// At most `limit` (the stall check's margin).
+    fn plain_steps(&self, limit: u64) -> u64 {
+        if !self.skip_plain
+            || self.sched.is_some()
+            || self.copier.is_some()
+            || !self.cfg.decode
+            || self.running.is_empty()
+            || self.loading > 0
+            || !self.queue.is_empty()
+        {
+            return 0;
+        }
+        let mut k = limit;
+        if let Some(next) = self.work.requests.get(self.next_arrival) {
+            // Step `step_no + j` admits it once (step_no + j) · step_ms >= its arrival.
+            let Some(before) = next.arrival_ms.checked_sub(1) else {
+                return 0;
+            };
+            k = k.min((before / self.cfg.step_ms.max(1)).saturating_sub(self.step_no));
+        }
+        if let Some(&w) = self.waiting.front()
+            && self.running.len() < self.cfg.max_batch
+            && self.gpu_fit(w).1
+        {
+            return 0;
+        }
+        let (bs, gbs) = (self.bs, self.gbs);
+        for &r in &self.running {
+            let l = &self.live[r];
+            if k == 0 || l.tokens != l.computed + 1 || l.generated >= l.output {
+                return 0;
+            }
+            // Step j (1-based) starts with t + j - 1 tokens and computes token c + j - 1.
+            let (t, c) = (l.tokens, l.computed);
+            // No GPU block to allocate: t + j - 1 tokens fit in the blocks held.
+            let room = (l.blocks.len() as u64 * gbs + 1).saturating_sub(t);
+            // No block completed (registered in the prefix cache): c + j is no block end.
+            let to_block_end = gbs - (c - bs.full(c) * gbs);
+            // Not the last token: generated + j < output.
+            let to_last = l.output - l.generated;
+            // No new full block to hash: t + j < (hashes + 1) · gbs tokens.
+            let to_hash = ((l.hashes.len() as u64 + 1) * gbs).saturating_sub(t);
+            k = k
+                .min(room)
+                .min(to_block_end - 1)
+                .min(to_last - 1)
+                .min(to_hash.saturating_sub(1));
+        }
+        k
+    }
+
+    /// Takes `k` plain steps (see [`Self::plain_steps`]) at once.
+    fn skip(&mut self, k: u64) {
+        self.skipped += k;
+        self.step_no += k;
+        self.stats.steps += k;
+        for &r in &self.running {
+            let l = &mut self.live[r];
+            l.tokens += k;
+            l.computed += k;
+            l.generated += k;
+        }
+    }
+
     fn admit(&mut self) -> Result<()> {
         let mut i = 0;
         while i < self.waiting.len() && self.running.len() + self.loading < self.cfg.max_batch {
             let r = self.waiting[i];
-            let gbs = self.gbs;
-            let (tokens, full) = (self.live[r].tokens, self.live[r].tokens / gbs);
-            let cap = ((tokens - 1) / gbs) as usize;
-            let hits = self
-                .gpu
-                .lookup_prefix(&self.live[r].hashes[..full as usize])
-                .min(cap);
-            let local = hits as u64 * gbs;
+            let tokens = self.live[r].tokens;
+            let (hits, fits) = self.gpu_fit(r);
+            let local = hits as u64 * self.gbs;
             let m = self.timed(Some(r), |s| s.match_request(r as u64, local));
             let host = match m.transpose().context("match_request")? {
                 None | Some(Match::Miss) => 0,
@@ -564,14 +781,10 @@ impl<'w> Engine<'w> {
                     continue;
                 }
             };
-            let need = self.blocks_needed(r) - hits as u32;
-            if self
-                .gpu
-                .free_for(&self.live[r].hashes[..hits])
-                .is_some_and(|free| free < need)
-            {
+            if !fits {
                 break;
             }
+            let need = self.blocks_needed(r) - hits as u32;
             let mut blocks = std::mem::take(&mut self.live[r].blocks);
             self.gpu
                 .take_cached(&self.live[r].hashes[..hits], &mut blocks);
@@ -609,26 +822,24 @@ impl<'w> Engine<'w> {
         let Some(sched) = self.sched.as_mut() else {
             return Ok(());
         };
-        let reqs: Vec<ScheduledRequest<'_>> = self
-            .scheduled
-            .iter()
-            .map(|&(r, n)| {
-                let l = &self.live[r];
-                ScheduledRequest {
-                    request_id: l.id,
-                    num_computed_tokens: l.computed,
-                    num_scheduled_tokens: n,
-                    num_tokens: l.tokens,
-                    new_block_ids: &l.blocks[l.reported..],
-                    resumed: l.resumed && l.reported == 0,
-                }
-            })
-            .collect();
+        let mut reqs = reuse(std::mem::take(&mut self.requests_buf));
+        reqs.extend(self.scheduled.iter().map(|&(r, n)| {
+            let l = &self.live[r];
+            ScheduledRequest {
+                request_id: l.id,
+                num_computed_tokens: l.computed,
+                num_scheduled_tokens: n,
+                num_tokens: l.tokens,
+                new_block_ids: &l.blocks[l.reported..],
+                resumed: l.resumed && l.reported == 0,
+            }
+        }));
         let t = Instant::now();
         let res = sched.build_step(&reqs, &self.preempted, &mut self.plan);
         self.step_lib += t.elapsed();
+        self.requests_buf = reuse(reqs);
         res.context("build_step")?;
-        drop(reqs);
+        self.final_pending = false;
         for &(r, _) in &self.scheduled {
             let l = &mut self.live[r];
             l.reported = l.blocks.len();
@@ -670,11 +881,11 @@ impl<'w> Engine<'w> {
     }
 
     fn forward(&mut self) -> Result<()> {
-        let gbs = self.gbs;
+        let bs = self.bs;
         for k in 0..self.scheduled.len() {
             let (r, n) = self.scheduled[k];
             let l = &mut self.live[r];
-            let (from, to) = (l.computed / gbs, (l.computed + n) / gbs);
+            let (from, to) = (bs.full(l.computed), bs.full(l.computed + n));
             for b in from..to.min(l.hashes.len() as u64) {
                 let (block, hash) = (l.blocks[b as usize], l.hashes[b as usize]);
                 self.gpu.register(block, hash);
@@ -694,7 +905,7 @@ impl<'w> Engine<'w> {
             let l = &self.live[r];
             if l.generated >= l.output || !self.cfg.decode {
                 self.finish_request(r)?;
-            } else if l.tokens / gbs > l.hashes.len() as u64 {
+            } else if bs.full(l.tokens) > l.hashes.len() as u64 {
                 let h = decode_hash(r, l.hashes.len());
                 let tokens = l.tokens;
                 self.live[r].hashes.push(h);
@@ -713,6 +924,7 @@ impl<'w> Engine<'w> {
         self.timed(Some(r), |s| s.finish_request(r as u64))
             .transpose()
             .context("finish_request")?;
+        self.final_pending |= self.sched.is_some() && self.cfg.semantics == Semantics::Vllm033;
         let l = &mut self.live[r];
         self.gpu.free(&l.blocks);
         l.blocks = Vec::new();
@@ -728,7 +940,8 @@ impl<'w> Engine<'w> {
         if !self.queue.iter().any(|q| q.due <= now) {
             return Ok(());
         }
-        let mut due = Vec::new();
+        let mut due = std::mem::take(&mut self.due);
+        due.clear();
         self.queue.retain(|q| {
             if q.due <= now {
                 due.push(*q);
@@ -737,14 +950,13 @@ impl<'w> Engine<'w> {
                 true
             }
         });
-        let reports: Vec<JobReport> = due
-            .iter()
-            .map(|q| JobReport {
-                job_id: q.id,
-                count: 1,
-                success: true,
-            })
-            .collect();
+        let mut reports = std::mem::take(&mut self.reports);
+        reports.clear();
+        reports.extend(due.iter().map(|q| JobReport {
+            job_id: q.id,
+            count: 1,
+            success: true,
+        }));
         if let Some(c) = &mut self.copier {
             for q in &due {
                 c.complete(q.id, q.kind)?;
@@ -777,6 +989,8 @@ impl<'w> Engine<'w> {
             self.loading -= 1;
             self.running.push(r);
         }
+        self.due = due;
+        self.reports = reports;
         Ok(())
     }
 
@@ -785,6 +999,13 @@ impl<'w> Engine<'w> {
         let mut s = std::mem::take(&mut self.stats);
         if let Some(sched) = &self.sched {
             let st = sched.stats();
+            s.at_end = AtEnd {
+                loads_in_flight: st.loads_in_flight,
+                stores_in_flight: st.stores_in_flight,
+                pinned: st.manager.pinned,
+                requests_tracked: st.requests,
+                gpu_blocks_held: 0,
+            };
             if st.loads_in_flight + st.stores_in_flight > 0 || st.manager.pinned > 0 {
                 bail!(
                     "at the end: {} loads and {} stores in flight, {} keys pinned",
@@ -804,6 +1025,7 @@ impl<'w> Engine<'w> {
             s.evictions = st.manager.evictions;
             s.no_room = st.store_no_room;
         }
+        s.at_end.gpu_blocks_held = self.gpu.in_use() as u64;
         if self.gpu.in_use() > 0 {
             bail!("at the end: {} GPU blocks still held", self.gpu.in_use());
         }
@@ -829,5 +1051,98 @@ impl<'w> Engine<'w> {
                 Percentiles::of(self.live.iter().map(|l| l.library.as_secs_f64()).collect());
         }
         Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::ChatParams;
+
+    #[test]
+    fn percentiles_select_the_ranks_of_the_sorted_values() {
+        for n in [1usize, 2, 3, 10, 101, 1000] {
+            let v: Vec<f64> = (0..n).map(|i| ((i * 7919) % 1009) as f64 * 1e-6).collect();
+            let mut sorted = v.clone();
+            sorted.sort_by(f64::total_cmp);
+            let at = |q: f64| sorted[((n - 1) as f64 * q).round() as usize] * 1e6;
+            let p = Percentiles::of(v);
+            assert_eq!((p.median_us, p.p99_us), (at(0.5), at(0.99)), "{n} values");
+        }
+        assert_eq!(Percentiles::of(Vec::new()), Percentiles::default());
+    }
+
+    fn untimed(mut s: RunStats) -> RunStats {
+        s.wall_seconds = 0.0;
+        s.library_seconds = 0.0;
+        s.library_per_step = Percentiles::default();
+        s.library_per_request = Percentiles::default();
+        s
+    }
+
+    /// The baseline's figures, and the steps it skipped.
+    fn baseline(work: &Workload, cfg: &EngineConfig, skip_plain: bool) -> (RunStats, u64) {
+        let mut e = Engine::new(work, cfg, None, false).unwrap();
+        e.skip_plain = skip_plain;
+        e.run(&mut |_| {}).unwrap();
+        let skipped = e.skipped;
+        (untimed(e.finish().unwrap()), skipped)
+    }
+
+    /// The baseline's figures are the same whether its plain steps are skipped or stepped
+    /// through: with a roomy GPU cache, a small one that preempts, GPU blocks of a power of two
+    /// tokens and not, and one request at a time.
+    #[test]
+    fn skipping_plain_steps_changes_no_figure() {
+        let cfg = EngineConfig {
+            factor: 1,
+            gpu_blocks: 256,
+            max_batch: 64,
+            transfer_delay_steps: 1,
+            step_ms: 20,
+            decode: true,
+            key_len: 32,
+            kv_bytes_per_token: 8,
+            check_every: 0,
+            semantics: Semantics::Vllm024,
+        };
+        for (block_tokens, factor, gpu_blocks, max_batch) in [
+            (512, 1, 256, 64),
+            (512, 1, 80, 64),
+            (512, 4, 600, 64),
+            (480, 3, 900, 16),
+            (300, 1, 0, 64),
+            (512, 1, 256, 1),
+        ] {
+            let work = ChatParams {
+                block_tokens,
+                conversations: 100,
+                one_offs: 200,
+                ..Default::default()
+            }
+            .generate()
+            .unwrap();
+            let cfg = EngineConfig {
+                factor,
+                gpu_blocks,
+                max_batch,
+                ..cfg.clone()
+            };
+            let what = format!(
+                "{block_tokens}-token blocks, factor {factor}, {gpu_blocks} GPU blocks, batch {max_batch}"
+            );
+            let (stepped, none) = baseline(&work, &cfg, false);
+            assert_eq!(none, 0);
+            let (skipping, skipped) = baseline(&work, &cfg, true);
+            assert_eq!(skipping, stepped, "{what}");
+            assert!(
+                skipped * 2 > stepped.steps,
+                "{what}: {skipped} of {} steps skipped",
+                stepped.steps
+            );
+            if gpu_blocks == 80 {
+                assert!(stepped.preemptions > 0, "{what}");
+            }
+        }
     }
 }

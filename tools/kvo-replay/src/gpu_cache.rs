@@ -4,7 +4,7 @@
 //! its blocks tail first, so its tail is reused before its head). With no capacity (0) there is
 //! no prefix cache and no limit: blocks are taken from an unbounded pool.
 
-use std::collections::HashMap;
+use crate::fasthash::{FoldState, HashMap};
 
 const NIL: u32 = u32::MAX;
 
@@ -23,6 +23,8 @@ pub struct GpuCache {
     free: u32,
     /// Unlimited pool: freed ids to reuse.
     spare: Vec<u32>,
+    /// Changes with every call that may change what a lookup or [`Self::free_for`] answers.
+    version: u64,
 }
 
 impl GpuCache {
@@ -33,18 +35,25 @@ impl GpuCache {
             capacity,
             ref_cnt: vec![0; n],
             hash: vec![None; n],
-            cached: HashMap::new(),
+            cached: HashMap::with_capacity_and_hasher(n, FoldState),
             prev: vec![NIL; n],
             next: vec![NIL; n],
             head: NIL,
             tail: NIL,
             free: 0,
             spare: Vec::new(),
+            version: 0,
         };
         for b in 0..capacity {
             c.push_free(b);
         }
         c
+    }
+
+    /// A number that changes whenever the pool's blocks or cached hashes may have changed (equal
+    /// versions: equal answers of [`Self::lookup_prefix`] and [`Self::free_for`]).
+    pub fn version(&self) -> u64 {
+        self.version
     }
 
     /// True when blocks are limited (and cached).
@@ -107,6 +116,7 @@ impl GpuCache {
 
     /// Takes the cached blocks of `hashes` (all cached: see [`Self::lookup_prefix`]) into `out`.
     pub fn take_cached(&mut self, hashes: &[u128], out: &mut Vec<u32>) {
+        self.version += 1;
         for h in hashes {
             let b = self.cached[h];
             if self.ref_cnt[b as usize] == 0 {
@@ -120,6 +130,7 @@ impl GpuCache {
     /// Allocates `n` blocks into `out`, least recently freed first (dropping their cached
     /// hashes); false, allocating nothing, when fewer are free.
     pub fn allocate(&mut self, n: u32, out: &mut Vec<u32>) -> bool {
+        self.version += 1;
         if !self.limited() {
             for _ in 0..n {
                 let b = self.spare.pop().unwrap_or_else(|| {
@@ -148,6 +159,7 @@ impl GpuCache {
 
     /// Caches block `b`, now holding the KV of `hash`, unless another block already holds it.
     pub fn register(&mut self, b: u32, hash: u128) {
+        self.version += 1;
         if self.limited()
             && self.hash[b as usize].is_none()
             && let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash)
@@ -159,6 +171,7 @@ impl GpuCache {
 
     /// Releases a request's blocks, tail first.
     pub fn free(&mut self, blocks: &[u32]) {
+        self.version += 1;
         for &b in blocks.iter().rev() {
             let rc = &mut self.ref_cnt[b as usize];
             *rc -= 1;

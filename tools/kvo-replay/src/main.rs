@@ -8,6 +8,7 @@
 mod belady;
 mod copier;
 mod engine;
+mod fasthash;
 mod gpu_cache;
 mod options;
 mod report;
@@ -101,6 +102,7 @@ fn run(plan: &Plan) -> Result<Report, Failure> {
             distinct_full_blocks: work.distinct_full_blocks() as u64,
         },
         settings: Settings {
+            semantics: options::semantics_name(cfg.semantics).into(),
             host_blocks,
             host_gib: (host_blocks as f64 * block_bytes as f64) / (1u64 << 30) as f64,
             kv_bytes_per_token: cfg.kv_bytes_per_token,

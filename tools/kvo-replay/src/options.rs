@@ -6,7 +6,7 @@ use crate::trace::{self, Workload};
 use crate::workload::ChatParams;
 use anyhow::{Result, bail};
 use clap::{Parser, ValueEnum};
-use kvoffload::manager::Policy;
+use kvoffload::manager::{Policy, Semantics};
 use std::path::PathBuf;
 
 /// Capacities a sweep tries.
@@ -24,6 +24,36 @@ pub enum PolicyArg {
     Arc,
     /// LRU and ARC side by side.
     All,
+}
+
+/// The vLLM release whose offloading semantics the scheduler and its tier follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SemanticsArg {
+    /// vLLM 0.24: a match touches the hit, every step touches the scheduled requests' keys.
+    #[value(name = "0.24")]
+    V024,
+    /// vLLM 0.33: no touch; keys carry positions, a request's recency is committed after it
+    /// finishes (after its final store jobs); every match rewinds the next chunk to store.
+    #[value(name = "0.33")]
+    V033,
+}
+
+impl SemanticsArg {
+    /// The library's value.
+    pub fn semantics(self) -> Semantics {
+        match self {
+            SemanticsArg::V024 => Semantics::Vllm024,
+            SemanticsArg::V033 => Semantics::Vllm033,
+        }
+    }
+}
+
+/// The release number of `s`, as the option spells it ("0.24", "0.33").
+pub fn semantics_name(s: Semantics) -> &'static str {
+    match s {
+        Semantics::Vllm024 => "0.24",
+        Semantics::Vllm033 => "0.33",
+    }
 }
 
 /// Simulates a serving engine through kvoffload on a request trace (or an embedded synthetic
@@ -51,6 +81,10 @@ pub struct Options {
     /// Eviction policy of the host tier.
     #[arg(long, value_enum, default_value_t = PolicyArg::All)]
     pub policy: PolicyArg,
+    /// The vLLM release whose semantics the scheduler and its host tier follow (every run,
+    /// the sweep's too; the far-sighted reference does not depend on it).
+    #[arg(long, value_enum, default_value_t = SemanticsArg::V024)]
+    pub semantics: SemanticsArg,
     /// GPU blocks per host block (block_size_factor): GPU blocks are block_tokens / factor tokens.
     #[arg(long, default_value_t = 1)]
     pub factor: u32,
@@ -119,6 +153,7 @@ struct OptionsCopy {
     max_batch: usize,
     step_ms: u64,
     key_len: usize,
+    semantics: Semantics,
     seed: u64,
     check_every: u64,
 }
@@ -188,6 +223,7 @@ impl Options {
                 max_batch: self.max_batch,
                 step_ms: self.step_ms,
                 key_len: self.key_len,
+                semantics: self.semantics.semantics(),
                 seed: self.seed,
                 check_every: self.check_every,
             },
@@ -251,6 +287,7 @@ impl Plan {
             key_len: o.key_len,
             kv_bytes_per_token: o.kv_bytes_per_token,
             check_every: o.check_every,
+            semantics: o.semantics,
         })
     }
 

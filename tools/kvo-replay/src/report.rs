@@ -21,6 +21,8 @@ pub struct WorkloadInfo {
 /// The settings of the runs.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Settings {
+    /// The vLLM release whose semantics the scheduler and its tier follow: "0.24" or "0.33".
+    pub semantics: String,
     pub host_blocks: u64,
     pub host_gib: f64,
     pub kv_bytes_per_token: u64,
@@ -97,11 +99,12 @@ impl Report {
         );
         let _ = writeln!(
             o,
-            "host tier: {} blocks ({:.1} GiB at {} KV bytes per token), {}-byte keys{}",
+            "host tier: {} blocks ({:.1} GiB at {} KV bytes per token), {}-byte keys, vLLM {} semantics{}",
             thousands(s.host_blocks),
             s.host_gib,
             thousands(s.kv_bytes_per_token),
             s.key_len,
+            s.semantics,
             if s.copy {
                 ", copies executed (--copy)"
             } else {

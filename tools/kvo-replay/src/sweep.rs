@@ -8,11 +8,11 @@
 
 use crate::belady;
 use crate::engine::{self, EngineConfig, Tier};
+use crate::fasthash::HashSet;
 use crate::trace::Workload;
 use anyhow::{Context, Result};
 use kvoffload::manager::Policy;
 use serde::Serialize;
-use std::collections::HashSet;
 use std::path::Path;
 
 /// One policy's curve.
@@ -47,7 +47,7 @@ pub fn hit_tokens(hits: u64, block_tokens: u64, input_tokens: u64) -> u64 {
 /// The unlimited-capacity hit tokens: per request, its leading full blocks seen before.
 pub fn unlimited_hit_tokens(w: &Workload) -> u64 {
     let bt = w.block_tokens as u64;
-    let mut seen = HashSet::new();
+    let mut seen = HashSet::default();
     let mut total = 0;
     for r in &w.requests {
         let full = &r.blocks[..(r.input_tokens / bt) as usize];

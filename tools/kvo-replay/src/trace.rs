@@ -43,7 +43,10 @@ impl Workload {
 
     /// Distinct ids among the full prompt blocks (the capacity that holds every block).
     pub fn distinct_full_blocks(&self) -> usize {
-        let mut seen = std::collections::HashSet::<u64>::new();
+        let mut seen = crate::fasthash::HashSet::<u64>::with_capacity_and_hasher(
+            self.full_blocks() as usize,
+            crate::fasthash::FoldState,
+        );
         for r in &self.requests {
             seen.extend(&r.blocks[..(r.input_tokens / self.block_tokens as u64) as usize]);
         }

@@ -69,6 +69,7 @@ fn impossible_options() {
     );
     fails(&["--plot", "x.svg"], 2, "--sweep");
     fails(&["--policy", "fifo"], 2, "invalid value 'fifo'");
+    fails(&["--semantics", "0.3"], 2, "invalid value '0.3'");
     fails(
         &["--host-blocks", "5", "--host-gib", "1"],
         2,
