@@ -35,7 +35,7 @@ impl GpuCache {
             capacity,
             ref_cnt: vec![0; n],
             hash: vec![None; n],
-            cached: HashMap::with_capacity_and_hasher(n, FoldState),
+            cached: HashMap::with_capacity_and_hasher(n, FoldState::default()),
             prev: vec![NIL; n],
             next: vec![NIL; n],
             head: NIL,

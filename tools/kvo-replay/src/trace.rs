@@ -45,7 +45,7 @@ impl Workload {
     pub fn distinct_full_blocks(&self) -> usize {
         let mut seen = crate::fasthash::HashSet::<u64>::with_capacity_and_hasher(
             self.full_blocks() as usize,
-            crate::fasthash::FoldState,
+            crate::fasthash::FoldState::default(),
         );
         for r in &self.requests {
             seen.extend(&r.blocks[..(r.input_tokens / self.block_tokens as u64) as usize]);
