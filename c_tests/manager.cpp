@@ -64,9 +64,75 @@ kvo_status thrown(F f, std::string *message = nullptr) {
     return KVO_STATUS_OK;
 }
 
+// The worked example of vLLM 0.33 LRU (capacity 5) through the request calls: recency is
+// request-scoped and committed when a request finishes, its head newest of all; eviction takes
+// tails before heads.
+void vllm033_lru_example() {
+    kvo_manager_config cfg = kvo::Manager::default_config();
+    cfg.key_len = kKeyLen;
+    cfg.policy = KVO_POLICY_LRU;
+    cfg.num_slots = 5;
+    cfg.semantics = KVO_SEMANTICS_VLLM_0_33;
+    kvo::Manager m = kvo::Manager::create(cfg);
+    const kvo::Request a = m.begin_request();
+    const kvo::Request b = m.begin_request();
+    const kvo::Request c = m.begin_request();
+    CHECK(m.semantics() == KVO_SEMANTICS_VLLM_0_33);
+    CHECK(a.id != b.id && b.id != c.id && a.id != c.id);
+
+    CHECK(lookup(m, 1) == KVO_LOOKUP_MISS);
+    kvo::StorePlan s = m.prepare_store(a, keys({1, 2}), std::vector<std::uint64_t>{16, 32});
+    CHECK((s.slots == std::vector<std::uint32_t>{0, 1}) && s.evicted_keys.empty());
+    CHECK(lookup(m, 1) == KVO_LOOKUP_HIT_PENDING);
+    m.complete_store(keys({1, 2}), true);
+    s = m.prepare_store(a, keys({3}), std::vector<std::uint64_t>{48});
+    CHECK((s.slots == std::vector<std::uint32_t>{2}));
+    m.complete_store(keys({3}), true);
+    s = m.prepare_store(b, keys({4, 5}), std::vector<std::uint64_t>{16, 32});
+    CHECK((s.slots == std::vector<std::uint32_t>{3, 4}));
+    m.complete_store(keys({4, 5}), true);
+    m.finish_request(a);
+
+    CHECK((m.prepare_load(c, keys({1, 2}), std::vector<std::uint64_t>{16, 32}) ==
+           std::vector<std::uint32_t>{0, 1}));
+    s = m.prepare_store(c, keys({6}), std::vector<std::uint64_t>{48});
+    CHECK((s.slots == std::vector<std::uint32_t>{4}));
+    CHECK(s.evicted_keys.size() == kKeyLen && key_at(s.evicted_keys, 0) == 5);
+    m.complete_load(keys({1, 2}));
+    m.complete_store(keys({6}), true);
+    m.finish_request(c);
+    m.finish_request(b);
+
+    // Without a request: the oldest first, tails before heads.
+    s = m.prepare_store(keys({10, 11, 12, 13, 14}));
+    CHECK(s.slots.size() == 5 && s.evicted_keys.size() == 5 * kKeyLen);
+    const std::uint64_t order[] = {3, 6, 2, 1, 4};
+    for (std::size_t i = 0; i < 5 && i * kKeyLen < s.evicted_keys.size(); ++i) {
+        CHECK(key_at(s.evicted_keys, i) == order[i]);
+    }
+    m.check_invariants();
+
+    // Errors name the argument and change nothing.
+    std::string msg;
+    const kvo::Request d = m.begin_request();
+    CHECK(thrown([&] { (void)m.prepare_store(d, keys({20, 21}), std::vector<std::uint64_t>{16}); },
+                 &msg) == KVO_STATUS_INVALID_ARGUMENT);
+    CHECK(msg.find("positions: 1 for 2 keys") != std::string::npos);
+    CHECK(thrown([&] { (void)m.prepare_load(a, keys({10})); }, &msg) ==
+          KVO_STATUS_INVALID_ARGUMENT);
+    CHECK(msg.find("request") != std::string::npos);
+    const kvo::Result<void> again = m.try_finish_request(a);
+    CHECK(!again.ok() && again.status().code() == KVO_STATUS_INVALID_ARGUMENT);
+    CHECK(lookup(m, 20) == KVO_LOOKUP_MISS);
+    CHECK(m.stats().pinned == 0 && m.stats().stores_in_flight == 5);
+    m.finish_request(d);
+}
+
 }  // namespace
 
 int main() {
+    vllm033_lru_example();
+
     CHECK(kvo::abi_compatible());
     CHECK(std::string(kvo::version()).size() > 0);
 

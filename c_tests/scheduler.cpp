@@ -22,8 +22,9 @@ namespace {
 constexpr std::uint32_t kKeyLen = 8;
 constexpr std::uint32_t kBlockTokens = 4;  // a chunk is 3 blocks = 12 tokens
 
-kvo::Scheduler make_scheduler() {
+kvo::Scheduler make_scheduler(std::uint32_t semantics = KVO_SEMANTICS_VLLM_0_24) {
     kvo_scheduler_config cfg = kvo::Scheduler::default_config();
+    cfg.semantics = semantics;
     cfg.key_len = kKeyLen;
     cfg.gpu_block_size = kBlockTokens;
     cfg.block_size_factor = 3;
@@ -136,10 +137,9 @@ int store_requests(kvo::Scheduler &s, std::uint64_t first_id, int n) {
     return bad;
 }
 
-}  // namespace
-
-int main() try {
-    kvo::Scheduler s = make_scheduler();
+// Request 1 offloads its prompt, request 2 loads the shared prefix: the same jobs, blocks and
+// figures in either semantics.
+void offload_and_load(kvo::Scheduler &s) {
     kvo::Step plan = kvo::Step::create();
 
     // Request 1 (24 tokens, 2 chunks) offloads its prompt from GPU blocks 10..15.
@@ -188,6 +188,11 @@ int main() try {
     s.build_step({&r2, 1}, {}, plan);
     CHECK(jobs(ship(plan)).empty());  // the loaded chunks are not stored again
     s.finish_request(2);
+    // 0.33 keeps a finished request until the next step, which ships its final store jobs
+    // (none here: 6 tokens are not a chunk); 0.24 forgets it at once.
+    CHECK(s.stats().requests == (s.semantics() == KVO_SEMANTICS_VLLM_0_33 ? 1u : 0u));
+    s.build_step({}, {}, plan);
+    CHECK(plan.info().num_jobs == 0);
 
     kvo_scheduler_stats st = s.stats();
     CHECK(st.hits == 1 && st.hit_tokens == 24 && st.load_jobs == 1 && st.store_jobs == 1);
@@ -197,6 +202,15 @@ int main() try {
     const std::string text = s.metrics_text("vllm:kv_offload", {{"engine", "0"}});
     CHECK(text.find("\nvllm:kv_offload_match_hits_total{engine=\"0\"} 1\n") != std::string::npos);
     CHECK(text.find("\nvllm:kv_offload_ready_slots{engine=\"0\"} 2\n") != std::string::npos);
+}
+
+}  // namespace
+
+int main() try {
+    kvo::Scheduler s033 = make_scheduler(KVO_SEMANTICS_VLLM_0_33);
+    offload_and_load(s033);
+    kvo::Scheduler s = make_scheduler();
+    offload_and_load(s);
 
     // Errors: kvo::Error with the status and a message naming the argument; this thread only.
     try {
@@ -223,7 +237,7 @@ int main() try {
     for (int t = 0; t < kThreads; ++t) {
         CHECK(bad[t] == 0);
     }
-    st = s.stats();
+    const kvo_scheduler_stats st = s.stats();
     CHECK(st.requests == 0 && st.store_jobs == 1 + kThreads * kPerThread);
     CHECK(st.manager.ready == 2 + 2 * kThreads * kPerThread && st.stores_in_flight == 0);
     s.check_invariants();

@@ -296,7 +296,14 @@ struct StorePlan {
     std::vector<std::uint8_t> evicted_keys;
 };
 
-/// An offload tier index (kvo_manager).
+/// A request's access record with KVO_SEMANTICS_VLLM_0_33 (Manager::begin_request), valid
+/// until Manager::finish_request on the manager that began it.
+struct Request {
+    std::uint64_t id = 0;
+};
+
+/// An offload tier index (kvo_manager). Its semantics (vLLM 0.24 or 0.33) is the config's
+/// `semantics` field.
 class Manager {
 public:
     /// The defaults of kvo_manager_config (struct_size set).
@@ -310,11 +317,13 @@ public:
         kvo_manager *p = nullptr;
         const kvo_status st = kvo_manager_new(&cfg, &p);
         if (st != KVO_STATUS_OK) return Status::of(st);
-        return Manager(p, cfg.key_len);
+        return Manager(p, cfg.key_len, cfg.semantics);
     }
 
     kvo_manager *get() const noexcept { return h_.get(); }
     std::uint32_t key_len() const noexcept { return key_len_; }
+    /// The vLLM release whose semantics it follows (a kvo_semantics value).
+    std::uint32_t semantics() const noexcept { return semantics_; }
 
     Result<kvo_lookup> try_lookup(Keys key) {
         if (key.size() != key_len_) {
@@ -341,11 +350,23 @@ public:
     Result<std::vector<std::uint32_t>> try_prepare_load(Keys keys) {
         auto n = detail::key_count(keys, key_len_, "keys");
         if (!n.ok()) return n.status();
-        std::vector<std::uint32_t> slots(n.value());
-        const kvo_status st =
-            kvo_manager_prepare_load(get(), keys.data(), n.value(), slots.data(), slots.size());
-        if (st != KVO_STATUS_OK) return Status::of(st);
-        return slots;
+        return load(n.value(), [&](std::uint32_t *slots, std::size_t cap) {
+            return kvo_manager_prepare_load(get(), keys.data(), n.value(), slots, cap);
+        });
+    }
+    /// prepare_load for `request`, with the keys' positions (tokens up to the end of each key's
+    /// block; empty: none): see kvo_manager_prepare_load_for.
+    Result<std::vector<std::uint32_t>> try_prepare_load(Request request, Keys keys,
+                                                        Span<const std::uint64_t> positions = {}) {
+        auto n = detail::key_count(keys, key_len_, "keys");
+        if (!n.ok()) return n.status();
+        const Status bad = check_positions(positions, n.value());
+        if (!bad.ok()) return bad;
+        return load(n.value(), [&](std::uint32_t *slots, std::size_t cap) {
+            return kvo_manager_prepare_load_for(get(), request.id, keys.data(),
+                                                positions_or_null(positions), n.value(), slots,
+                                                cap);
+        });
     }
     Result<void> try_touch(Keys keys) {
         auto n = detail::key_count(keys, key_len_, "keys");
@@ -360,25 +381,39 @@ public:
     Result<StorePlan> try_prepare_store(Keys keys) {
         auto n = detail::key_count(keys, key_len_, "keys");
         if (!n.ok()) return n.status();
-        const std::size_t cap = n.value();
-        StorePlan p;
-        p.indices.resize(cap);
-        p.slots.resize(cap);
-        p.evicted_keys.resize(cap * key_len_);
-        std::size_t n_store = 0, n_evicted = 0;
-        const kvo_status st = kvo_manager_prepare_store(
-            get(), keys.data(), cap, p.indices.data(), p.slots.data(), p.evicted_keys.data(), cap,
-            &n_store, &n_evicted);
-        if (st == KVO_STATUS_NO_ROOM) {
-            StorePlan none;
-            none.no_room = true;
-            return none;
-        }
+        return store(n.value(), [&](std::uint32_t *indices, std::uint32_t *slots,
+                                    std::uint8_t *evicted, std::size_t cap, std::size_t *n_store,
+                                    std::size_t *n_evicted) {
+            return kvo_manager_prepare_store(get(), keys.data(), n.value(), indices, slots,
+                                             evicted, cap, n_store, n_evicted);
+        });
+    }
+    /// prepare_store for `request`, with the keys' positions (empty: none): see
+    /// kvo_manager_prepare_store_for.
+    Result<StorePlan> try_prepare_store(Request request, Keys keys,
+                                        Span<const std::uint64_t> positions = {}) {
+        auto n = detail::key_count(keys, key_len_, "keys");
+        if (!n.ok()) return n.status();
+        const Status bad = check_positions(positions, n.value());
+        if (!bad.ok()) return bad;
+        return store(n.value(), [&](std::uint32_t *indices, std::uint32_t *slots,
+                                    std::uint8_t *evicted, std::size_t cap, std::size_t *n_store,
+                                    std::size_t *n_evicted) {
+            return kvo_manager_prepare_store_for(get(), request.id, keys.data(),
+                                                 positions_or_null(positions), n.value(), indices,
+                                                 slots, evicted, cap, n_store, n_evicted);
+        });
+    }
+    /// Begins a request (vLLM 0.33 on_new_request); end it with finish_request.
+    Result<Request> try_begin_request() {
+        Request r;
+        const kvo_status st = kvo_manager_begin_request(get(), &r.id);
         if (st != KVO_STATUS_OK) return Status::of(st);
-        p.indices.resize(n_store);
-        p.slots.resize(n_store);
-        p.evicted_keys.resize(n_evicted * key_len_);
-        return p;
+        return r;
+    }
+    /// Finishes `request` (vLLM 0.33 on_request_finished): commits its recency to the policy.
+    Result<void> try_finish_request(Request request) {
+        return detail::call(kvo_manager_finish_request(get(), request.id));
     }
     Result<void> try_complete_store(Keys keys, bool success) {
         auto n = detail::key_count(keys, key_len_, "keys");
@@ -435,6 +470,15 @@ public:
     void touch(Keys keys) { try_touch(keys).value(); }
     void complete_load(Keys keys) { try_complete_load(keys).value(); }
     StorePlan prepare_store(Keys keys) { return try_prepare_store(keys).value(); }
+    std::vector<std::uint32_t> prepare_load(Request request, Keys keys,
+                                            Span<const std::uint64_t> positions = {}) {
+        return try_prepare_load(request, keys, positions).value();
+    }
+    StorePlan prepare_store(Request request, Keys keys, Span<const std::uint64_t> positions = {}) {
+        return try_prepare_store(request, keys, positions).value();
+    }
+    Request begin_request() { return try_begin_request().value(); }
+    void finish_request(Request request) { try_finish_request(request).value(); }
     void complete_store(Keys keys, bool success) { try_complete_store(keys, success).value(); }
     void complete_store_at(Keys keys, Span<const std::uint32_t> slots, bool success) {
         try_complete_store_at(keys, slots, success).value();
@@ -449,9 +493,51 @@ public:
 #endif
 
 private:
-    Manager(kvo_manager *p, std::uint32_t key_len) noexcept : h_(p), key_len_(key_len) {}
+    Manager(kvo_manager *p, std::uint32_t key_len, std::uint32_t semantics) noexcept
+        : h_(p), key_len_(key_len), semantics_(semantics) {}
+
+    static Status check_positions(Span<const std::uint64_t> positions, std::size_t n_keys) {
+        if (positions.empty() || positions.size() == n_keys) return Status();
+        return detail::invalid("positions: " + std::to_string(positions.size()) + " for " +
+                               std::to_string(n_keys) + " keys");
+    }
+    static const std::uint64_t *positions_or_null(Span<const std::uint64_t> positions) noexcept {
+        return positions.empty() ? nullptr : positions.data();
+    }
+    /// Runs a prepare_load call `f(slots, cap)` for `n` keys.
+    template <class F>
+    static Result<std::vector<std::uint32_t>> load(std::size_t n, F f) {
+        std::vector<std::uint32_t> slots(n);
+        const kvo_status st = f(slots.data(), slots.size());
+        if (st != KVO_STATUS_OK) return Status::of(st);
+        return slots;
+    }
+    /// Runs a prepare_store call `f(indices, slots, evicted, cap, n_store, n_evicted)` for `n`
+    /// keys; NO_ROOM is the answer StorePlan::no_room.
+    template <class F>
+    Result<StorePlan> store(std::size_t n, F f) const {
+        StorePlan p;
+        p.indices.resize(n);
+        p.slots.resize(n);
+        p.evicted_keys.resize(n * key_len_);
+        std::size_t n_store = 0, n_evicted = 0;
+        const kvo_status st =
+            f(p.indices.data(), p.slots.data(), p.evicted_keys.data(), n, &n_store, &n_evicted);
+        if (st == KVO_STATUS_NO_ROOM) {
+            StorePlan none;
+            none.no_room = true;
+            return none;
+        }
+        if (st != KVO_STATUS_OK) return Status::of(st);
+        p.indices.resize(n_store);
+        p.slots.resize(n_store);
+        p.evicted_keys.resize(n_evicted * key_len_);
+        return p;
+    }
+
     detail::Handle<kvo_manager, kvo_manager_free> h_;
     std::uint32_t key_len_ = 0;
+    std::uint32_t semantics_ = KVO_SEMANTICS_VLLM_0_24;
 };
 
 /// A step plan (kvo_step): filled by Scheduler::build_step or decode.
@@ -553,11 +639,13 @@ public:
         kvo_scheduler *p = nullptr;
         const kvo_status st = kvo_scheduler_new(&cfg, &p);
         if (st != KVO_STATUS_OK) return Status::of(st);
-        return Scheduler(p, cfg.key_len);
+        return Scheduler(p, cfg.key_len, cfg.semantics);
     }
 
     kvo_scheduler *get() const noexcept { return h_.get(); }
     std::uint32_t key_len() const noexcept { return key_len_; }
+    /// The vLLM release whose semantics it follows (a kvo_semantics value).
+    std::uint32_t semantics() const noexcept { return semantics_; }
 
     Result<void> try_add_request(std::uint64_t request_id, std::uint64_t prompt_tokens,
                                  std::uint64_t max_offload_tokens = KVO_NO_LIMIT) {
@@ -678,9 +766,11 @@ public:
 #endif
 
 private:
-    Scheduler(kvo_scheduler *p, std::uint32_t key_len) noexcept : h_(p), key_len_(key_len) {}
+    Scheduler(kvo_scheduler *p, std::uint32_t key_len, std::uint32_t semantics) noexcept
+        : h_(p), key_len_(key_len), semantics_(semantics) {}
     detail::Handle<kvo_scheduler, kvo_scheduler_free> h_;
     std::uint32_t key_len_ = 0;
+    std::uint32_t semantics_ = KVO_SEMANTICS_VLLM_0_24;
 };
 
 /// A host tier buffer of a worker: valid until the worker is destroyed.
