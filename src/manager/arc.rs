@@ -309,12 +309,6 @@ impl EvictionPolicy for ArcPolicy {
         })
     }
 
-    /// None: a slot is given an entry by each store.
-    #[inline]
-    fn free_entry(_slot: u32) -> u32 {
-        NO_ID
-    }
-
     /// Its slot, or `capacity + e` for a ghost.
     #[inline]
     fn id_of_entry(&self, e: u32) -> u32 {

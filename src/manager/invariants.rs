@@ -27,6 +27,11 @@ impl Manager {
                 r => return bad(format!("slot {s}: ref count {r}")),
             }
         }
+        if let Some(s) =
+            (0..self.cfg.num_slots).find(|&s| !occupied[s] && self.slots[s].entry != NO_ID)
+        {
+            return bad(format!("free slot {s} names a key-table entry"));
+        }
         let st = &self.stats;
         if (in_flight, idle, pinned) != (st.stores_in_flight, st.evictable, st.pinned) {
             return bad(format!(

@@ -269,7 +269,7 @@ impl KeyTable {
     #[inline]
     pub fn prefetch(&self, hash: u64, buckets: bool) {
         let (end, mask) = self.layout;
-        if mask < PREFETCH_MIN_BUCKETS {
+        if !self.prefetches() {
             return;
         }
         let pos = hash as usize & mask;
@@ -278,6 +278,13 @@ impl KeyTable {
             prefetch_line(end.wrapping_sub((pos + 16) * BUCKET));
             prefetch_line(end.wrapping_sub(pos * BUCKET + 1));
         }
+    }
+
+    /// Whether [`Self::prefetch`] does anything: false for small tables (a caller can skip
+    /// hashing for it).
+    #[inline]
+    pub fn prefetches(&self) -> bool {
+        self.layout.1 >= PREFETCH_MIN_BUCKETS
     }
 
     /// Starts loading what removing the entries of `ids` reads (their records, then their index

@@ -52,11 +52,6 @@ impl EvictionPolicy for LruPolicy {
     }
 
     #[inline]
-    fn free_entry(slot: u32) -> u32 {
-        slot
-    }
-
-    #[inline]
     fn id_of_entry(&self, e: u32) -> u32 {
         e
     }

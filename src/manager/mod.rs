@@ -96,8 +96,8 @@ struct SlotState {
     ref_cnt: i32,
     /// Equal to the manager's epoch when a `prepare_store` protects the slot from eviction.
     stamp: u32,
-    /// The key-table entry of the slot's key: the slot itself for LRU, any entry for ARC
-    /// ([`NO_ID`] while the slot is free).
+    /// The key-table entry of the slot's key (LRU: the slot itself; ARC: any entry), or
+    /// [`NO_ID`] exactly while the slot is free.
     entry: u32,
 }
 
@@ -154,11 +154,7 @@ impl Manager {
             stamp: 0,
             entry: NO_ID,
         };
-        let mut slots = filled(n, free, "slot states")?;
-        slots
-            .iter_mut()
-            .zip(0..)
-            .for_each(|(st, s)| st.entry = policy.free_entry(s));
+        let slots = filled(n, free, "slot states")?;
         let tracker = (cfg.store_threshold >= 2)
             .then(|| Tracker::new(cfg.store_threshold, cfg.max_tracker_size, &keys));
         Ok(Self {
@@ -231,7 +227,7 @@ impl Manager {
         id.filter(|&i| self.is_slot(i))
     }
 
-    /// The key-table entry of occupied slot `s` ([`NO_ID`] for a free ARC slot).
+    /// The key-table entry of slot `s` ([`NO_ID`] for a free slot).
     #[inline]
     fn entry_of_slot(&self, s: u32) -> u32 {
         self.slots[s as usize].entry
@@ -284,6 +280,9 @@ impl Manager {
     /// that the memory accesses of all keys overlap: a hint for large tiers, best given the keys
     /// of several coming calls at once. Changes nothing, counts nothing.
     pub fn prefetch(&self, keys: &[u8]) {
+        if !self.keys.prefetches() {
+            return;
+        }
         for key in keys.chunks_exact(self.cfg.key_len) {
             self.keys.prefetch(self.keys.hash(key), true);
         }
@@ -529,7 +528,10 @@ impl Manager {
         self.generation += 1;
         self.keys.clear();
         self.pool.reset();
-        self.slots.iter_mut().for_each(|s| s.ref_cnt = 0);
+        self.slots.iter_mut().for_each(|s| {
+            s.ref_cnt = 0;
+            s.entry = NO_ID;
+        });
         self.policy.clear(&mut self.slots);
         self.stats.evictable = 0;
         self.stats.pinned = 0;

@@ -53,9 +53,6 @@ pub(super) trait EvictionPolicy: Sized {
     /// the policy names besides the stored ones. Fails with [`crate::Error::OutOfMemory`].
     fn new(num_slots: usize, keys: &mut KeyTable) -> Result<Self>;
 
-    /// The key-table entry a free slot records in its [`SlotState::entry`].
-    fn free_entry(slot: u32) -> u32;
-
     /// The manager id of key-table entry `e`.
     fn id_of_entry(&self, e: u32) -> u32;
 
@@ -203,16 +200,6 @@ impl PolicyImpl {
                 PolicyImpl::Arc(arc)
             }
         })
-    }
-
-    /// See [`EvictionPolicy::free_entry`].
-    #[inline]
-    pub fn free_entry(&self, slot: u32) -> u32 {
-        match self {
-            PolicyImpl::Lru(_) => LruPolicy::free_entry(slot),
-            PolicyImpl::RankedLru(_) => RankedLruPolicy::free_entry(slot),
-            PolicyImpl::Arc(_) => ArcPolicy::free_entry(slot),
-        }
     }
 
     /// See [`EvictionPolicy::id_of_entry`].

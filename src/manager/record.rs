@@ -30,6 +30,9 @@ pub(super) struct Record {
     /// The keys, back to back, their hashes, positions ([`NO_POS`]: none) and flags.
     pub keys: Vec<u8>,
     pub hashes: Vec<u64>,
+    /// The manager id each key had when last seen (a hint: the commit takes a slot whose key
+    /// is still this one without a lookup, and looks up the others).
+    pub ids: Vec<u32>,
     pub positions: Vec<u64>,
     pub flags: Vec<u8>,
     /// Keys without a position.
@@ -53,18 +56,22 @@ impl Record {
     /// The index of `key` (hash `hash`), if recorded.
     #[inline]
     pub fn find(&self, hash: u64, key: &[u8]) -> Option<u32> {
+        if self.flags.is_empty() {
+            return None;
+        }
         let kl = key.len();
         self.index
             .find(hash, |&i| key_eq(self.key(i as usize, kl), key))
             .copied()
     }
 
-    /// Records `key` (not recorded yet) with `position`; returns its index.
+    /// Records `key` (not recorded yet, manager id `id`) with `position`; returns its index.
     #[inline]
-    pub fn push(&mut self, hash: u64, key: &[u8], position: u64) -> u32 {
+    pub fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64) -> u32 {
         let i = self.flags.len() as u32;
         self.keys.extend_from_slice(key);
         self.hashes.push(hash);
+        self.ids.push(id);
         self.positions.push(position);
         self.flags.push(0);
         if position == NO_POS {
@@ -90,6 +97,7 @@ impl Record {
         self.generation = generation;
         self.keys.clear();
         self.hashes.clear();
+        self.ids.clear();
         self.positions.clear();
         self.flags.clear();
         self.unpositioned = 0;
@@ -165,6 +173,7 @@ impl Records {
             let n = r.len();
             if r.keys.len() != n * key_len
                 || r.hashes.len() != n
+                || r.ids.len() != n
                 || r.positions.len() != n
                 || r.index.len() != n
                 || r.positions.iter().filter(|&&p| p == NO_POS).count() != r.unpositioned

@@ -7,6 +7,7 @@
 //! In 0.24 semantics the same calls are accepted and the record is not kept: a request
 //! changes nothing (vLLM 0.24 `on_request_finished` is a no-op for the CPU manager).
 
+use super::keys::key_eq;
 use super::record::{NO_POS, REUSED};
 use super::{Manager, NO_ID, RequestId, StorePlan};
 use crate::error::{Error, Result, invalid};
@@ -124,12 +125,13 @@ impl Manager {
             let j = match rec.find(h, key) {
                 Some(j) => {
                     rec.set_position(j, p);
+                    rec.ids[j as usize] = id;
                     j
                 }
                 None => {
                     self.scratch_access_ids.push(id);
                     self.scratch_access_pos.push(p);
-                    rec.push(h, key, p)
+                    rec.push(h, key, id, p)
                 }
             };
             let f = &mut rec.flags[j as usize];
@@ -183,10 +185,18 @@ impl Manager {
         self.scratch_flags.clear();
         for &j in &self.scratch_order {
             let j = j as usize;
-            let id = self
-                .keys
-                .find_hashed(rec.hashes[j], rec.key(j, kl))
-                .map_or(NO_ID, |e| self.policy.id_of_entry(e));
+            let (key, hint) = (rec.key(j, kl), rec.ids[j]);
+            let kept = self
+                .slots
+                .get(hint as usize)
+                .is_some_and(|st| st.entry != NO_ID && key_eq(self.keys.key(st.entry), key));
+            let id = if kept {
+                hint
+            } else {
+                self.keys
+                    .find_hashed(rec.hashes[j], key)
+                    .map_or(NO_ID, |e| self.policy.id_of_entry(e))
+            };
             self.scratch_access_ids.push(id);
             self.scratch_flags.push(rec.flags[j]);
         }

@@ -232,15 +232,17 @@ impl Manager {
                 READY => rec.find(h, key),
                 _ => Some(seen).filter(|&j| j != NO_ID),
             };
+            let id = self.scratch_ids[k];
             let j = match seen {
                 Some(j) => {
                     rec.set_position(j, p);
+                    rec.ids[j as usize] = id;
                     j
                 }
                 None => {
-                    self.scratch_access_ids.push(self.scratch_ids[k]);
+                    self.scratch_access_ids.push(id);
                     self.scratch_access_pos.push(p);
-                    rec.push(h, key, p)
+                    rec.push(h, key, id, p)
                 }
             };
             let f = &mut rec.flags[j as usize];
@@ -273,7 +275,11 @@ impl Manager {
             rec.flags[j as usize] |= INSERTED;
         }
         let counts = self.insert_new(keys, positions, out_indices, out_slots, &mut rank)?;
-        self.records.current(i, self.generation).rank = rank;
+        let rec = self.records.current(i, self.generation);
+        rec.rank = rank;
+        for (&k, &slot) in self.scratch_new.iter().zip(out_slots.iter()) {
+            rec.ids[self.scratch_class[k as usize].1 as usize] = slot;
+        }
         Ok(counts)
     }
 
@@ -354,6 +360,7 @@ impl Manager {
         self.policy
             .evict(&self.scratch_victims, &mut self.slots, &mut self.keys);
         for &s in &self.scratch_victims {
+            self.slots[s as usize].entry = NO_ID;
             self.pool.release(s);
         }
         let n = self.scratch_victims.len() as u64;
@@ -364,6 +371,7 @@ impl Manager {
     /// Drops slot `s`'s key from the policy and the index and frees the slot.
     fn free_slot(&mut self, s: u32) {
         self.policy.remove(s, &mut self.slots, &mut self.keys);
+        self.slots[s as usize].entry = NO_ID;
         self.pool.release(s);
     }
 

@@ -474,6 +474,28 @@ fn lru_three_requests_with_positions_and_commits() {
     assert_eq!(t.events(), want);
 }
 
+/// The commit ranks a request's key where it is stored at finish, not where the request saw
+/// it: here key 1 is evicted from slot 0, key 3 takes that slot, and key 1 comes back in slot 1
+/// (each call without a request takes a request number, as a vLLM 0.33 context does).
+#[test]
+fn lru_commit_follows_a_key_stored_again_elsewhere() {
+    let mut t = T::new(V033, Policy::Lru, 2);
+    t.pos("A", &[(g(1, 0), 16)]);
+    assert_eq!(t.ps("A", &ks(&[1])), stored(&[1], &[0], &[]));
+    t.cs(&ks(&[1]), true);
+    assert_eq!(t.ps("", &ks(&[2])), stored(&[2], &[1], &[]));
+    t.cs(&ks(&[2]), true);
+    assert_eq!(t.ps("", &ks(&[3])), stored(&[3], &[0], &[1]));
+    t.cs(&ks(&[3]), true);
+    assert_eq!(t.ps("", &ks(&[1])), stored(&[1], &[1], &[2]));
+    t.cs(&ks(&[1]), true);
+    assert_eq!(t.eviction_order(), ks(&[3, 1]));
+    t.finish("A");
+    assert_eq!(t.eviction_order(), ks(&[3, 1]));
+    assert_eq!(t.rank(g(3, 0)), (5, 0));
+    assert_eq!(t.rank(g(1, 0)), (8, 0));
+}
+
 #[test]
 fn lru_request_rank_is_lazy_and_never_makes_a_key_older() {
     let mut t = T::new(V033, Policy::Lru, 4);
