@@ -67,7 +67,7 @@ impl Record {
 
     /// Records `key` (not recorded yet, manager id `id`) with `position`; returns its index.
     #[inline]
-    pub fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64) -> u32 {
+    fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64) -> u32 {
         let i = self.flags.len() as u32;
         self.keys.extend_from_slice(key);
         self.hashes.push(hash);
@@ -82,14 +82,29 @@ impl Record {
         i
     }
 
-    /// Gives recorded key `i` a position if it had none.
+    /// Records an observation of `key` (hash `hash`, manager id `id`) at `position`; `seen` is
+    /// its index if it is recorded ([`Self::find`]). A recorded key keeps its first position
+    /// (or takes this one if it had none) and takes `id`; a new key is pushed. Returns the
+    /// key's index and whether it is new.
     #[inline]
-    pub fn set_position(&mut self, i: u32, position: u64) {
+    pub fn observe(
+        &mut self,
+        seen: Option<u32>,
+        hash: u64,
+        key: &[u8],
+        id: u32,
+        position: u64,
+    ) -> (u32, bool) {
+        let Some(i) = seen else {
+            return (self.push(hash, key, id, position), true);
+        };
         let p = &mut self.positions[i as usize];
         if *p == NO_POS && position != NO_POS {
             *p = position;
             self.unpositioned -= 1;
         }
+        self.ids[i as usize] = id;
+        (i, false)
     }
 
     /// Empties the record (keeping its buffers) for `generation`.

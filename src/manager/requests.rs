@@ -122,18 +122,11 @@ impl Manager {
         for (k, key) in keys.chunks_exact(kl).enumerate().take(n) {
             let (h, id) = (self.scratch_hash[k], self.scratch_ids[k]);
             let p = positions.get(k).copied().unwrap_or(NO_POS);
-            let j = match rec.find(h, key) {
-                Some(j) => {
-                    rec.set_position(j, p);
-                    rec.ids[j as usize] = id;
-                    j
-                }
-                None => {
-                    self.scratch_access_ids.push(id);
-                    self.scratch_access_pos.push(p);
-                    rec.push(h, key, id, p)
-                }
-            };
+            let (j, new) = rec.observe(rec.find(h, key), h, key, id, p);
+            if new {
+                self.scratch_access_ids.push(id);
+                self.scratch_access_pos.push(p);
+            }
             let f = &mut rec.flags[j as usize];
             if *f & super::record::INSERTED == 0 {
                 *f |= REUSED;

@@ -233,18 +233,11 @@ impl Manager {
                 _ => Some(seen).filter(|&j| j != NO_ID),
             };
             let id = self.scratch_ids[k];
-            let j = match seen {
-                Some(j) => {
-                    rec.set_position(j, p);
-                    rec.ids[j as usize] = id;
-                    j
-                }
-                None => {
-                    self.scratch_access_ids.push(id);
-                    self.scratch_access_pos.push(p);
-                    rec.push(h, key, id, p)
-                }
-            };
+            let (j, new) = rec.observe(seen, h, key, id, p);
+            if new {
+                self.scratch_access_ids.push(id);
+                self.scratch_access_pos.push(p);
+            }
             let f = &mut rec.flags[j as usize];
             if class == CANDIDATE_MISS {
                 *f |= STORE_MISS;
