@@ -489,24 +489,68 @@ pub unsafe extern "C" fn kvo_manager_prepare_store(
         // SAFETY: forwarded from the caller.
         unsafe {
             with_keys(m, keys, n_keys, |mgr, k| {
-                if out_cap < n_keys {
-                    write(out_n_store, n_keys);
-                    return Err(Failure::new(
-                        kvo_status::BufferTooSmall,
-                        format!("out_cap: {out_cap} entries, {n_keys} needed"),
-                    ));
-                }
-                let kl = mgr.key_len();
-                let idx = slice_mut(out_indices, n_keys, "out_indices")?;
-                let slots = slice_mut(out_slots, n_keys, "out_slots")?;
-                let ev = slice_mut(out_evicted_keys, n_keys * kl, "out_evicted_keys")?;
-                let c = mgr.prepare_store_into(k, idx, slots, ev)?;
-                write(out_n_store, c.stored);
-                write(out_n_evicted, c.evicted);
-                Ok(())
+                let out = StoreOutputs {
+                    indices: out_indices,
+                    slots: out_slots,
+                    evicted_keys: out_evicted_keys,
+                    cap: out_cap,
+                    n_store: out_n_store,
+                    n_evicted: out_n_evicted,
+                };
+                out.fill(n_keys, mgr.key_len(), |idx, slots, ev| {
+                    mgr.prepare_store_into(k, idx, slots, ev)
+                })
             })
         }
     })
+}
+
+/// The outputs of a `prepare_store` call, as the C caller passed them (the counts checked
+/// non-NULL).
+pub(super) struct StoreOutputs {
+    pub indices: *mut u32,
+    pub slots: *mut u32,
+    pub evicted_keys: *mut u8,
+    pub cap: usize,
+    pub n_store: *mut usize,
+    pub n_evicted: *mut usize,
+}
+
+impl StoreOutputs {
+    /// Checks the outputs for `n_keys` keys of `key_len` bytes (a short `cap` is
+    /// `BUFFER_TOO_SMALL` with `n_keys` written to `*n_store`), runs `store` on them and writes
+    /// its counts.
+    ///
+    /// # Safety
+    /// The pointers are NULL or writable as `kvo_manager_prepare_store` documents.
+    pub(super) unsafe fn fill(
+        self,
+        n_keys: usize,
+        key_len: usize,
+        store: impl FnOnce(
+            &mut [u32],
+            &mut [u32],
+            &mut [u8],
+        ) -> crate::Result<crate::manager::StoreCounts>,
+    ) -> FfiResult {
+        // SAFETY: the caller's contract.
+        unsafe {
+            if self.cap < n_keys {
+                write(self.n_store, n_keys);
+                return Err(Failure::new(
+                    kvo_status::BufferTooSmall,
+                    format!("out_cap: {} entries, {n_keys} needed", self.cap),
+                ));
+            }
+            let idx = slice_mut(self.indices, n_keys, "out_indices")?;
+            let slots = slice_mut(self.slots, n_keys, "out_slots")?;
+            let ev = slice_mut(self.evicted_keys, n_keys * key_len, "out_evicted_keys")?;
+            let c = store(idx, slots, ev)?;
+            write(self.n_store, c.stored);
+            write(self.n_evicted, c.evicted);
+        }
+        Ok(())
+    }
 }
 
 /// Ends the stores of `keys`: `success` non-zero makes the in-flight ones ready (one stored

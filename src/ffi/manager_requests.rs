@@ -2,8 +2,8 @@
 //! store for it with the keys' positions, finish it (its recency is committed then). With
 //! `KVO_SEMANTICS_VLLM_0_24` the same calls are accepted and a request changes nothing.
 
-use super::manager::{kvo_manager, with_keys};
-use super::{Failure, FfiResult, guard, handle, kvo_status, non_null, slice, slice_mut, write};
+use super::manager::{StoreOutputs, kvo_manager, with_keys};
+use super::{FfiResult, guard, handle, kvo_status, non_null, slice, slice_mut, write};
 use crate::manager::{Manager, RequestId};
 
 /// Runs `f` on the manager with `keys` and their `positions` (NULL: none; else `n_keys`
@@ -150,21 +150,17 @@ pub unsafe extern "C" fn kvo_manager_prepare_store_for(
         // SAFETY: forwarded from the caller.
         unsafe {
             with_positions(m, keys, positions, n_keys, |mgr, k, p| {
-                if out_cap < n_keys {
-                    write(out_n_store, n_keys);
-                    return Err(Failure::new(
-                        kvo_status::BufferTooSmall,
-                        format!("out_cap: {out_cap} entries, {n_keys} needed"),
-                    ));
-                }
-                let kl = mgr.key_len();
-                let idx = slice_mut(out_indices, n_keys, "out_indices")?;
-                let slots = slice_mut(out_slots, n_keys, "out_slots")?;
-                let ev = slice_mut(out_evicted_keys, n_keys * kl, "out_evicted_keys")?;
-                let c = mgr.prepare_store_for_into(RequestId(request), k, p, idx, slots, ev)?;
-                write(out_n_store, c.stored);
-                write(out_n_evicted, c.evicted);
-                Ok(())
+                let out = StoreOutputs {
+                    indices: out_indices,
+                    slots: out_slots,
+                    evicted_keys: out_evicted_keys,
+                    cap: out_cap,
+                    n_store: out_n_store,
+                    n_evicted: out_n_evicted,
+                };
+                out.fill(n_keys, mgr.key_len(), |idx, slots, ev| {
+                    mgr.prepare_store_for_into(RequestId(request), k, p, idx, slots, ev)
+                })
             })
         }
     })
