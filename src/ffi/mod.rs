@@ -248,8 +248,13 @@ pub(crate) unsafe fn read_config<T: Copy>(
         return Ok(unsafe { p.read_unaligned() });
     }
     if !older.contains(&size) {
+        let older: Vec<String> = older.iter().map(usize::to_string).collect();
+        let known = match older.is_empty() {
+            true => String::new(),
+            false => format!(" or the size of an older layout ({})", older.join(", ")),
+        };
         return Err(Failure::invalid(format!(
-            "{name}->struct_size: {size} is smaller than {} (set it to sizeof the struct)",
+            "{name}->struct_size: {size} is neither sizeof the struct ({}){known}; set it to sizeof",
             size_of::<T>()
         )));
     }
