@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 fn trace(name: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -22,11 +22,13 @@ fn trace(name: &str) -> PathBuf {
     p
 }
 
-fn check(name: &str) {
-    let path = trace(name);
-    let r = kvo_json(&[
+/// The `--json` report of a sweep of trace `path` in `semantics`, every policy, no GPU cache.
+fn sweep(path: &Path, semantics: &str) -> serde_json::Value {
+    kvo_json(&[
         "--trace",
         path.to_str().unwrap(),
+        "--semantics",
+        semantics,
         "--policy",
         "all",
         "--sweep",
@@ -34,7 +36,12 @@ fn check(name: &str) {
         "0",
         "--max-batch",
         "1024",
-    ]);
+    ])
+}
+
+fn check(name: &str) {
+    let path = trace(name);
+    let r = sweep(&path, "0.24");
     check_sweep(&r, &read_trace(&path), 512);
     eprintln!("{name}: {}", r["sweep"]);
 }
@@ -44,19 +51,7 @@ fn check(name: &str) {
 /// every block.
 fn check_033(name: &str) {
     let path = trace(name);
-    let r = kvo_json(&[
-        "--trace",
-        path.to_str().unwrap(),
-        "--semantics",
-        "0.33",
-        "--policy",
-        "all",
-        "--sweep",
-        "--gpu-blocks",
-        "0",
-        "--max-batch",
-        "1024",
-    ]);
+    let r = sweep(&path, "0.33");
     assert_eq!(r["settings"]["semantics"], "0.33");
     let reqs = read_trace(&path);
     let unlimited = 100.0 * unlimited_hits(&reqs, 512) as f64 / prompt_tokens(&reqs) as f64;
