@@ -306,13 +306,13 @@ impl Manager {
     fn lookup_one(&mut self, key: &[u8]) -> Lookup {
         let h = self.keys.hash(key);
         let id = self.find_hashed(h, key);
-        self.count_lookup(h, key, id)
+        self.count_lookup(self.v033(), h, key, id)
     }
 
-    /// Counts a lookup of `key` (hash `h`, manager id `id`) and answers it.
+    /// Counts a lookup of `key` (hash `h`, manager id `id`) and answers it (`v033`: the
+    /// manager's semantics is 0.33, hoisted out of the callers' loops).
     #[inline]
-    fn count_lookup(&mut self, h: u64, key: &[u8], id: Option<u32>) -> Lookup {
-        let v033 = self.v033();
+    fn count_lookup(&mut self, v033: bool, h: u64, key: &[u8], id: Option<u32>) -> Lookup {
         if let Some(t) = &mut self.tracker
             && !v033
         {
@@ -346,7 +346,7 @@ impl Manager {
         for (i, h) in ahead.iter_mut().enumerate().take(n) {
             *h = hash_at(self, i);
         }
-        let mut out = PrefixLookup::default();
+        let (v033, mut out) = (self.v033(), PrefixLookup::default());
         for i in 0..n {
             let h = ahead[i % AHEAD];
             if i + AHEAD < n {
@@ -354,7 +354,7 @@ impl Manager {
             }
             let key = key_at(keys, kl, i as u32);
             let id = self.find_hashed(h, key);
-            match self.count_lookup(h, key, id) {
+            match self.count_lookup(v033, h, key, id) {
                 Lookup::Miss => break,
                 Lookup::Retry | Lookup::HitPending => out.retry = true,
                 Lookup::Hit => {}
@@ -428,11 +428,11 @@ impl Manager {
             return Err(invalid!("lookup: {lookup:?} is not within the {n} keys"));
         }
         self.resolve(keys);
-        let kl = self.cfg.key_len;
+        let (kl, v033) = (self.cfg.key_len, self.v033());
         let mut out = PrefixLookup::default();
         for i in lookup {
-            let id = self.resolved_id(i);
-            match self.count_lookup(self.scratch_hash[i], key_at(keys, kl, i as u32), id) {
+            let (h, id) = (self.scratch_hash[i], self.resolved_id(i));
+            match self.count_lookup(v033, h, key_at(keys, kl, i as u32), id) {
                 Lookup::Miss => break,
                 Lookup::Retry | Lookup::HitPending => out.retry = true,
                 Lookup::Hit => {}
