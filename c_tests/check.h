@@ -115,6 +115,19 @@ static inline int eq_u32(const uint32_t *got, size_t n, const uint64_t *want, si
  * `then` are expressions of `f`, the fixture) and made with CASE_TABLE(table, LIST). */
 typedef struct fixture fixture;
 
+/* The `n` bytes at `got` equal those at `want` (a case wrote none of its outputs); prints the
+ * first byte written. */
+static inline int bytes_kept(const void *got, const void *want, size_t n) {
+    const unsigned char *g = (const unsigned char *)got, *w = (const unsigned char *)want;
+    for (size_t i = 0; i < n; i++) {
+        if (g[i] != w[i]) {
+            printf("  output byte %zu written\n", i);
+            return 0;
+        }
+    }
+    return 1;
+}
+
 typedef struct {
     const char *name;      /* the case, in a word */
     const char *call_text; /* the call as written, starting with the kvo_ function's name */

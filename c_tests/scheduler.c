@@ -856,14 +856,7 @@ static void outputs_reset(outputs *o) {
 static int outputs_kept(const fixture *f) {
     outputs ref;
     outputs_reset(&ref);
-    const unsigned char *got = (const unsigned char *)&f->o, *want = (const unsigned char *)&ref;
-    for (size_t i = 0; i < sizeof ref; i++) {
-        if (got[i] != want[i]) {
-            printf("  output byte %zu written\n", i);
-            return 0;
-        }
-    }
-    return 1;
+    return bytes_kept(&f->o, &ref, sizeof ref);
 }
 #define KEPT outputs_kept(f)
 
