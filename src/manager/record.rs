@@ -18,8 +18,30 @@ pub(super) const REUSED: u8 = 2;
 /// Reported to the policy's `on_store_miss` for this request.
 pub(super) const STORE_MISS: u8 = 4;
 
+/// What a record holds of one key besides its bytes.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Entry {
+    pub hash: u64,
+    /// [`NO_POS`]: none.
+    pub position: u64,
+    /// The manager id the key had when last seen (a hint: the commit takes a slot whose key is
+    /// still this one without a lookup, and looks up the others).
+    pub id: u32,
+    /// The key's group: its last four bytes, big-endian (the commit orders by group first).
+    pub group: u32,
+    /// [`INSERTED`], [`REUSED`], [`STORE_MISS`].
+    pub flags: u8,
+}
+
+/// Bits of a record's filter of key hashes.
+const FILTER_BITS: usize = 1024;
+
 /// One request's record. Its keys are indices `0..len()` in first-observation order.
-#[derive(Debug, Default)]
+///
+/// The hash index covers the first `indexed` keys and is extended to all of them by the first
+/// [`Self::find`] the filter does not answer: a request that never meets a key twice (most
+/// requests, most keys) never builds it.
+#[derive(Debug)]
 pub(super) struct Record {
     /// Bumped each time the pool entry is handed out; half of the [`RequestId`].
     serial: u32,
@@ -27,25 +49,54 @@ pub(super) struct Record {
     /// The manager's cache generation the record belongs to; a record of an older one is
     /// stale (a reset came between) and starts again empty at its next use.
     pub generation: u64,
-    /// The keys, back to back, their hashes, positions ([`NO_POS`]: none) and flags.
-    pub keys: Vec<u8>,
-    pub hashes: Vec<u64>,
-    /// The manager id each key had when last seen (a hint: the commit takes a slot whose key
-    /// is still this one without a lookup, and looks up the others).
-    pub ids: Vec<u32>,
-    pub positions: Vec<u64>,
-    pub flags: Vec<u8>,
+    /// The keys, back to back.
+    keys: Vec<u8>,
+    pub entries: Vec<Entry>,
     /// Keys without a position.
     pub unpositioned: usize,
     index: HashTable<u32>,
+    indexed: usize,
+    /// One bit per recorded key's hash (bit `hash % FILTER_BITS`).
+    filter: [u64; FILTER_BITS / 64],
     /// The policy's request rank (0.33 LRU: an anchor id), [`NO_ID`] until taken.
     pub rank: u32,
+}
+
+impl Default for Record {
+    fn default() -> Self {
+        Self {
+            serial: 0,
+            active: false,
+            generation: 0,
+            keys: Vec::new(),
+            entries: Vec::new(),
+            unpositioned: 0,
+            index: HashTable::new(),
+            indexed: 0,
+            filter: [0; FILTER_BITS / 64],
+            rank: NO_ID,
+        }
+    }
+}
+
+/// The filter word and bit of `hash`.
+#[inline]
+fn filter_bit(hash: u64) -> (usize, u64) {
+    let b = hash as usize % FILTER_BITS;
+    (b / 64, 1 << (b % 64))
+}
+
+/// The group of `key`: its last four bytes, big-endian.
+#[inline]
+pub(super) fn group_of(key: &[u8]) -> u32 {
+    let g = &key[key.len().saturating_sub(4)..];
+    g.iter().fold(0u32, |acc, &b| acc << 8 | u32::from(b))
 }
 
 impl Record {
     /// Recorded keys.
     pub fn len(&self) -> usize {
-        self.flags.len()
+        self.entries.len()
     }
 
     /// The `i`-th recorded key.
@@ -55,30 +106,43 @@ impl Record {
 
     /// The index of `key` (hash `hash`), if recorded.
     #[inline]
-    pub fn find(&self, hash: u64, key: &[u8]) -> Option<u32> {
-        if self.flags.is_empty() {
+    pub fn find(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
+        let (w, bit) = filter_bit(hash);
+        if self.filter[w] & bit == 0 {
             return None;
         }
         let kl = key.len();
+        let entries = &self.entries;
+        for i in self.indexed..entries.len() {
+            self.index
+                .insert_unique(entries[i].hash, i as u32, |&j| entries[j as usize].hash);
+        }
+        self.indexed = entries.len();
+        let keys = &self.keys;
         self.index
-            .find(hash, |&i| key_eq(self.key(i as usize, kl), key))
+            .find(hash, |&i| {
+                key_eq(&keys[i as usize * kl..(i as usize + 1) * kl], key)
+            })
             .copied()
     }
 
     /// Records `key` (not recorded yet, manager id `id`) with `position`; returns its index.
     #[inline]
     fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64) -> u32 {
-        let i = self.flags.len() as u32;
+        let i = self.entries.len() as u32;
         self.keys.extend_from_slice(key);
-        self.hashes.push(hash);
-        self.ids.push(id);
-        self.positions.push(position);
-        self.flags.push(0);
+        self.entries.push(Entry {
+            hash,
+            position,
+            id,
+            group: group_of(key),
+            flags: 0,
+        });
         if position == NO_POS {
             self.unpositioned += 1;
         }
-        let hashes = &self.hashes;
-        self.index.insert_unique(hash, i, |&j| hashes[j as usize]);
+        let (w, bit) = filter_bit(hash);
+        self.filter[w] |= bit;
         i
     }
 
@@ -98,12 +162,12 @@ impl Record {
         let Some(i) = seen else {
             return (self.push(hash, key, id, position), true);
         };
-        let p = &mut self.positions[i as usize];
-        if *p == NO_POS && position != NO_POS {
-            *p = position;
+        let e = &mut self.entries[i as usize];
+        if e.position == NO_POS && position != NO_POS {
+            e.position = position;
             self.unpositioned -= 1;
         }
-        self.ids[i as usize] = id;
+        e.id = id;
         (i, false)
     }
 
@@ -111,12 +175,13 @@ impl Record {
     fn reset(&mut self, generation: u64) {
         self.generation = generation;
         self.keys.clear();
-        self.hashes.clear();
-        self.ids.clear();
-        self.positions.clear();
-        self.flags.clear();
+        if !self.entries.is_empty() {
+            self.filter = [0; FILTER_BITS / 64];
+        }
+        self.entries.clear();
         self.unpositioned = 0;
         self.index.clear();
+        self.indexed = 0;
         self.rank = NO_ID;
     }
 }
@@ -182,22 +247,28 @@ impl Records {
         self.active
     }
 
-    /// Checks each active record's index against its keys (invariant checks).
+    /// Checks each active record's buffers, filter and index against its keys (invariant
+    /// checks).
     pub fn check(&self, key_len: usize, table: &KeyTable) -> std::result::Result<(), String> {
         for (i, r) in self.records.iter().enumerate().filter(|(_, r)| r.active) {
             let n = r.len();
             if r.keys.len() != n * key_len
-                || r.hashes.len() != n
-                || r.ids.len() != n
-                || r.positions.len() != n
-                || r.index.len() != n
-                || r.positions.iter().filter(|&&p| p == NO_POS).count() != r.unpositioned
+                || r.indexed > n
+                || r.index.len() != r.indexed
+                || r.entries.iter().filter(|e| e.position == NO_POS).count() != r.unpositioned
             {
                 return Err(format!("request record {i}: inconsistent lengths"));
             }
-            for j in 0..n {
+            for (j, e) in r.entries.iter().enumerate() {
                 let key = r.key(j, key_len);
-                if table.hash(key) != r.hashes[j] || r.find(r.hashes[j], key) != Some(j as u32) {
+                let (w, bit) = filter_bit(e.hash);
+                if table.hash(key) != e.hash || e.group != group_of(key) || r.filter[w] & bit == 0 {
+                    return Err(format!("request record {i}: key {j} is not filtered"));
+                }
+                let found = r
+                    .index
+                    .find(e.hash, |&x| key_eq(r.key(x as usize, key_len), key));
+                if (found == Some(&(j as u32))) != (j < r.indexed) {
                     return Err(format!("request record {i}: key {j} is not indexed"));
                 }
             }

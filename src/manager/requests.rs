@@ -122,12 +122,13 @@ impl Manager {
         for (k, key) in keys.chunks_exact(kl).enumerate().take(n) {
             let (h, id) = (self.scratch_hash[k], self.scratch_ids[k]);
             let p = positions.get(k).copied().unwrap_or(NO_POS);
-            let (j, new) = rec.observe(rec.find(h, key), h, key, id, p);
+            let seen = rec.find(h, key);
+            let (j, new) = rec.observe(seen, h, key, id, p);
             if new {
                 self.scratch_access_ids.push(id);
                 self.scratch_access_pos.push(p);
             }
-            let f = &mut rec.flags[j as usize];
+            let f = &mut rec.entries[j as usize].flags;
             if *f & super::record::INSERTED == 0 {
                 *f |= REUSED;
             }
@@ -153,15 +154,12 @@ impl Manager {
         let n = rec.len();
         self.scratch_order.clear();
         self.scratch_order.extend(0..n as u32);
-        let group = |j: &u32| {
-            let key = rec.key(*j as usize, kl);
-            let g = &key[key.len().saturating_sub(4)..];
-            g.iter().fold(0u32, |acc, &b| acc << 8 | u32::from(b))
-        };
+        let e = &rec.entries;
+        let group = |j: &u32| e[*j as usize].group;
         if !self.scratch_order.is_sorted_by_key(group) {
             self.scratch_order.sort_by_key(group);
         }
-        let position = |j: &u32| rec.positions[*j as usize];
+        let position = |j: &u32| e[*j as usize].position;
         if rec.unpositioned == 0 {
             if !self.scratch_order.is_sorted_by_key(position) {
                 self.scratch_order.sort_by_key(position);
@@ -169,7 +167,7 @@ impl Manager {
         } else {
             // vLLM 0.33 sorts each group whose keys all have a position.
             for run in self.scratch_order.chunk_by_mut(|a, b| group(a) == group(b)) {
-                if run.iter().all(|&j| rec.positions[j as usize] != NO_POS) {
+                if run.iter().all(|&j| e[j as usize].position != NO_POS) {
                     run.sort_by_key(position);
                 }
             }
@@ -177,21 +175,20 @@ impl Manager {
         self.scratch_access_ids.clear();
         self.scratch_flags.clear();
         for &j in &self.scratch_order {
-            let j = j as usize;
-            let (key, hint) = (rec.key(j, kl), rec.ids[j]);
+            let (key, entry) = (rec.key(j as usize, kl), &e[j as usize]);
             let kept = self
                 .slots
-                .get(hint as usize)
+                .get(entry.id as usize)
                 .is_some_and(|st| st.entry != NO_ID && key_eq(self.keys.key(st.entry), key));
             let id = if kept {
-                hint
+                entry.id
             } else {
                 self.keys
-                    .find_hashed(rec.hashes[j], key)
+                    .find_hashed(entry.hash, key)
                     .map_or(NO_ID, |e| self.policy.id_of_entry(e))
             };
             self.scratch_access_ids.push(id);
-            self.scratch_flags.push(rec.flags[j]);
+            self.scratch_flags.push(entry.flags);
         }
         self.policy.on_request_finished(
             &self.scratch_access_ids,

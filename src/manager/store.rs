@@ -183,6 +183,7 @@ impl Manager {
             };
             self.scratch_class.push((class, NO_ID));
         }
+        let absent = self.scratch_new.len();
         self.dedupe_new(keys);
         if let Some(t) = &self.tracker {
             let hashes = &self.scratch_hash;
@@ -191,14 +192,16 @@ impl Manager {
                 .retain(|&k| t.passes(hashes[k as usize], key_at(keys, kl, k)));
             self.stats.stores_skipped += (before - self.scratch_new.len()) as u64;
         }
-        // The candidates left; the others (filtered, repeated) are neither.
-        for c in &mut self.scratch_class {
-            if c.0 == CANDIDATE {
-                c.0 = NEITHER;
+        if self.scratch_new.len() < absent {
+            // The candidates left; the others (filtered, repeated) are neither.
+            for c in &mut self.scratch_class {
+                if c.0 == CANDIDATE {
+                    c.0 = NEITHER;
+                }
             }
-        }
-        for &k in &self.scratch_new {
-            self.scratch_class[k as usize].0 = CANDIDATE;
+            for &k in &self.scratch_new {
+                self.scratch_class[k as usize].0 = CANDIDATE;
+            }
         }
         // Store misses: candidates this request has not reported yet.
         let rec = self.records.current(i, self.generation);
@@ -208,7 +211,7 @@ impl Manager {
             let seen = rec.find(self.scratch_hash[k], key_at(keys, kl, k as u32));
             // The record index is kept for the recording below (NO_ID: not recorded yet).
             self.scratch_class[k].1 = seen.unwrap_or(NO_ID);
-            if seen.is_none_or(|j| rec.flags[j as usize] & STORE_MISS == 0) {
+            if seen.is_none_or(|j| rec.entries[j as usize].flags & STORE_MISS == 0) {
                 self.scratch_access_ids.push(self.scratch_ids[k]);
                 self.scratch_class[k].0 = CANDIDATE_MISS;
             }
@@ -238,7 +241,7 @@ impl Manager {
                 self.scratch_access_ids.push(id);
                 self.scratch_access_pos.push(p);
             }
-            let f = &mut rec.flags[j as usize];
+            let f = &mut rec.entries[j as usize].flags;
             if class == CANDIDATE_MISS {
                 *f |= STORE_MISS;
             }
@@ -265,13 +268,13 @@ impl Manager {
         let mut rank = rec.rank;
         for &k in &self.scratch_new {
             let j = self.scratch_class[k as usize].1;
-            rec.flags[j as usize] |= INSERTED;
+            rec.entries[j as usize].flags |= INSERTED;
         }
         let counts = self.insert_new(keys, positions, out_indices, out_slots, &mut rank)?;
         let rec = self.records.current(i, self.generation);
         rec.rank = rank;
         for (&k, &slot) in self.scratch_new.iter().zip(out_slots.iter()) {
-            rec.ids[self.scratch_class[k as usize].1 as usize] = slot;
+            rec.entries[self.scratch_class[k as usize].1 as usize].id = slot;
         }
         Ok(counts)
     }

@@ -9,6 +9,7 @@
 //! in a step is withdrawn instead (it never ships).
 
 use super::{Direction, Error, JobReport, Result, Scheduler, invalid, recycle};
+use crate::manager::RequestId;
 
 impl Scheduler {
     /// Counts worker reports. A job completes once `num_workers` reports arrived; it failed if
@@ -121,10 +122,10 @@ impl Scheduler {
     /// Stops tracking `id`, keeping its buffers for a later request when they are small (at most
     /// 1024 requests of up to 16 KiB each are kept).
     pub(super) fn drop_request(&mut self, id: u64) {
-        self.commit(id);
-        let Some(r) = self.requests.remove(&id) else {
+        let Some(mut r) = self.requests.remove(&id) else {
             return;
         };
+        self.commit_record(r.record.take());
         let bytes = r.keys.capacity() + 4 * r.block_ids.capacity() + 8 * r.jobs.capacity();
         if self.spare_requests.len() < 1024 && bytes <= 16 << 10 {
             self.spare_requests.push(r);
@@ -165,7 +166,13 @@ impl Scheduler {
 
     /// Commits request `id`'s record to the tier (vLLM 0.33 `on_request_finished`), once.
     pub(super) fn commit(&mut self, id: u64) {
-        if let Some(record) = self.requests.get_mut(&id).and_then(|r| r.record.take()) {
+        let record = self.requests.get_mut(&id).and_then(|r| r.record.take());
+        self.commit_record(record);
+    }
+
+    /// Commits a record taken from its request (none: nothing to commit).
+    pub(super) fn commit_record(&mut self, record: Option<RequestId>) {
+        if let Some(record) = record {
             self.manager
                 .finish_request(record)
                 .expect("a request's record is active until its commit");

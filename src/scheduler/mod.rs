@@ -148,7 +148,7 @@ impl Scheduler {
     }
 
     fn chunk_tokens(&self) -> u64 {
-        self.cfg.gpu_block_size as u64 * self.cfg.block_size_factor as u64
+        self.cfg.chunk_tokens()
     }
 
     fn request(&self, id: u64) -> Result<&Request> {

@@ -2,8 +2,8 @@
 //! requests' newly complete chunks, and the flush set.
 
 use super::{
-    Direction, Error, Job, Result, ScheduledRequest, Scheduler, Step, invalid, take_cleared,
-    take_filled,
+    Direction, Error, Job, Result, ScheduledRequest, Scheduler, SchedulerConfig, Step, invalid,
+    take_cleared, take_filled,
 };
 
 impl Scheduler {
@@ -73,6 +73,9 @@ impl Scheduler {
             }
         }
 
+        // Each request's state is updated and its offloadable chunks after this step counted;
+        // on large tiers the index misses of every store candidate of the step start at once.
+        self.scratch_chunks.clear();
         for s in scheduled {
             if s.resumed {
                 self.release_blocks(s.request_id);
@@ -85,6 +88,12 @@ impl Scheduler {
             }
             r.block_ids.extend_from_slice(s.new_block_ids);
             self.allocated.extend_from_slice(s.new_block_ids);
+            let n = limit_chunks(&self.cfg, r, r.computed.min(r.num_tokens));
+            if n > r.next_stored_chunk {
+                let keys = r.keys_of(self.cfg.key_len, r.next_stored_chunk, n);
+                self.manager.prefetch(keys);
+            }
+            self.scratch_chunks.push(n);
         }
         for &p in preempted {
             // The flush makes the worker finish these jobs before this step's copies and forward
@@ -121,17 +130,6 @@ impl Scheduler {
             }
         }
         self.pending_loads.clear(self.cfg.block_size_factor);
-        // Large tiers: start the index misses of every store candidate of the step at once.
-        self.scratch_chunks.clear();
-        for s in scheduled {
-            let n = self.offloadable_chunks(s);
-            let r = &self.requests[&s.request_id];
-            if n > r.next_stored_chunk {
-                let keys = r.keys_of(self.cfg.key_len, r.next_stored_chunk, n);
-                self.manager.prefetch(keys);
-            }
-            self.scratch_chunks.push(n);
-        }
         let touches = !self.v033();
         for (i, s) in scheduled.iter().enumerate() {
             // The next storing request touches all its keys (0.24): start their misses now (its
@@ -156,15 +154,17 @@ impl Scheduler {
         let finishing = std::mem::take(&mut self.finishing);
         for &id in &finishing {
             let n = self.final_chunks(id);
-            self.build_store_job(id, n, step);
-            // Its blocks are given back: the new job enters the reuse fence at once.
-            self.release_blocks(id);
+            if self.build_store_job(id, n, step) {
+                // Its blocks are given back: the new job enters the reuse fence at once.
+                self.release_blocks(id);
+            }
         }
         for &id in &finishing {
-            self.commit(id);
             let r = self.requests.get_mut(&id).expect("finishing");
             r.final_pending = false;
-            if r.jobs.is_empty() {
+            let (record, done) = (r.record.take(), r.jobs.is_empty());
+            self.commit_record(record);
+            if done {
                 self.drop_request(id);
             }
         }
@@ -178,7 +178,7 @@ impl Scheduler {
     fn final_chunks(&self, id: u64) -> u64 {
         let r = &self.requests[&id];
         let f = self.cfg.block_size_factor as usize;
-        let n = self.limit_chunks(r, r.computed.min(r.num_tokens));
+        let n = limit_chunks(&self.cfg, r, r.computed.min(r.num_tokens));
         let n = n.min((r.block_ids.len() / f) as u64);
         (r.next_stored_chunk..n)
             .find(|&c| {
@@ -189,33 +189,12 @@ impl Scheduler {
             .unwrap_or(n)
     }
 
-    /// Complete chunks the request may offload after this step (limits applied).
-    fn offloadable_chunks(&self, s: &ScheduledRequest<'_>) -> u64 {
-        let r = &self.requests[&s.request_id];
-        self.limit_chunks(
-            r,
-            (s.num_computed_tokens + s.num_scheduled_tokens).min(r.num_tokens),
-        )
-    }
-
-    /// The complete chunks of `tokens` that request `r` may offload: capped by its
-    /// `max_offload_tokens`, its prompt (with `offload_prompt_only`) and its keys.
-    fn limit_chunks(&self, r: &super::Request, tokens: u64) -> u64 {
-        let mut offloadable = tokens;
-        if let Some(cap) = r.max_offload_tokens {
-            offloadable = offloadable.min(cap);
-        }
-        if self.cfg.offload_prompt_only {
-            offloadable = offloadable.min(r.prompt_tokens);
-        }
-        (offloadable / self.chunk_tokens()).min(r.num_keys(self.cfg.key_len))
-    }
-
     /// The store job of one request (vLLM `_get_reqs_to_store` / `_build_store_jobs`, one
     /// request): its complete chunks from `next_stored_chunk` to `n` (its offloadable chunks
     /// after this step) not yet in the tier, if the tier has room; then (0.24) all its keys are
-    /// touched. Cannot fail: the keys are the request's own, of the tier's width.
-    fn build_store_job(&mut self, id: u64, n: u64, step: &mut Step) {
+    /// touched. Returns whether a job was made. Cannot fail: the keys are the request's own, of
+    /// the tier's width.
+    fn build_store_job(&mut self, id: u64, n: u64, step: &mut Step) -> bool {
         let (kl, f) = (self.cfg.key_len, self.cfg.block_size_factor as usize);
         let ct = self.chunk_tokens();
         let r = self.requests.get_mut(&id).expect("validated");
@@ -223,7 +202,7 @@ impl Scheduler {
         if n <= start {
             // vLLM 0.33 never moves the index back here; 0.24 sets it.
             r.next_stored_chunk = if r.record.is_some() { start } else { n };
-            return;
+            return false;
         }
         let candidates = r.keys_of(kl, start, n);
         let stored = match r.record {
@@ -240,12 +219,12 @@ impl Scheduler {
         match stored {
             Err(Error::NoRoom(_)) => {
                 self.stats.store_no_room += 1;
-                return;
+                return false;
             }
             Err(e) => unreachable!("prepare_store of a request's own keys: {e}"),
             Ok(c) if c.stored == 0 => {
                 r.next_stored_chunk = n;
-                return;
+                return false;
             }
             Ok(_) => {}
         }
@@ -301,5 +280,19 @@ impl Scheduler {
             released: false,
         };
         self.jobs.insert(job_id, job);
+        true
     }
+}
+
+/// The complete chunks of `tokens` that request `r` may offload: capped by its
+/// `max_offload_tokens`, its prompt (with `offload_prompt_only`) and its keys.
+fn limit_chunks(cfg: &SchedulerConfig, r: &super::Request, tokens: u64) -> u64 {
+    let mut offloadable = tokens;
+    if let Some(cap) = r.max_offload_tokens {
+        offloadable = offloadable.min(cap);
+    }
+    if cfg.offload_prompt_only {
+        offloadable = offloadable.min(r.prompt_tokens);
+    }
+    (offloadable / cfg.chunk_tokens()).min(r.num_keys(cfg.key_len))
 }

@@ -29,6 +29,13 @@ pub struct SchedulerConfig {
     pub semantics: Semantics,
 }
 
+impl SchedulerConfig {
+    /// Tokens per offloaded chunk (`gpu_block_size * block_size_factor`).
+    pub(crate) fn chunk_tokens(&self) -> u64 {
+        self.gpu_block_size as u64 * self.block_size_factor as u64
+    }
+}
+
 impl Default for SchedulerConfig {
     fn default() -> Self {
         let m = ManagerConfig::default();
