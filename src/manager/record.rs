@@ -276,3 +276,67 @@ impl Records {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u64) -> [u8; 8] {
+        i.to_be_bytes()
+    }
+
+    /// A spread-out hash, as the key table's would be.
+    fn hash(i: u64) -> u64 {
+        i.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
+    #[test]
+    fn finds_every_recorded_key_whether_the_filter_is_sparse_or_saturated() {
+        for n in [1u64, 20, 3000] {
+            let mut r = Record::default();
+            for i in 0..n {
+                let seen = r.find(hash(i), &key(i));
+                assert_eq!(seen, None, "{i} of {n} is new");
+                assert_eq!(
+                    r.observe(seen, hash(i), &key(i), i as u32, i),
+                    (i as u32, true)
+                );
+                // A find now and then builds the index over what was pushed so far.
+                if i % 7 == 0 {
+                    assert_eq!(r.find(hash(i), &key(i)), Some(i as u32));
+                }
+            }
+            for i in 0..n {
+                assert_eq!(r.find(hash(i), &key(i)), Some(i as u32), "{i} of {n}");
+            }
+            // Absent keys: their hash bits may be set (saturated filter), the index answers.
+            for i in n..n + 500 {
+                assert_eq!(r.find(hash(i), &key(i)), None);
+            }
+            // Same hash, other key: the bytes decide.
+            assert_eq!(r.find(hash(0), &key(u64::MAX)), None);
+            assert_eq!(r.indexed, if n == 1 { 1 } else { n as usize });
+        }
+    }
+
+    #[test]
+    fn a_repeated_observation_keeps_the_first_position_and_takes_the_new_id() {
+        let mut r = Record::default();
+        r.observe(None, hash(1), &key(1), 5, NO_POS);
+        assert_eq!(r.unpositioned, 1);
+        let seen = r.find(hash(1), &key(1));
+        assert_eq!(r.observe(seen, hash(1), &key(1), 6, 32), (0, false));
+        assert_eq!((r.entries[0].position, r.entries[0].id), (32, 6));
+        assert_eq!(r.unpositioned, 0);
+        let seen = r.find(hash(1), &key(1));
+        r.observe(seen, hash(1), &key(1), 7, 48);
+        assert_eq!(
+            (r.entries[0].position, r.entries[0].id, r.len()),
+            (32, 7, 1)
+        );
+        // The group is the key's last four bytes.
+        assert_eq!(r.entries[0].group, 1);
+        r.reset(1);
+        assert_eq!((r.len(), r.indexed, r.find(hash(1), &key(1))), (0, 0, None));
+    }
+}
