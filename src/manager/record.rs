@@ -105,12 +105,18 @@ impl Record {
     }
 
     /// The index of `key` (hash `hash`), if recorded.
-    #[inline]
+    #[inline(always)]
     pub fn find(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
         let (w, bit) = filter_bit(hash);
         if self.filter[w] & bit == 0 {
             return None;
         }
+        self.find_indexed(hash, key)
+    }
+
+    /// [`Self::find`] past the filter: through the index, extended to every key first.
+    #[inline(never)]
+    fn find_indexed(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
         let kl = key.len();
         let entries = &self.entries;
         for i in self.indexed..entries.len() {

@@ -264,17 +264,14 @@ impl Manager {
         }
         self.stats.record_allocation(to_store);
         self.make_room(to_store, out_evicted)?;
-        let rec = self.records.current(i, self.generation);
-        let mut rank = rec.rank;
-        for &k in &self.scratch_new {
-            let j = self.scratch_class[k as usize].1;
-            rec.entries[j as usize].flags |= INSERTED;
-        }
+        let mut rank = self.records.current(i, self.generation).rank;
         let counts = self.insert_new(keys, positions, out_indices, out_slots, &mut rank)?;
         let rec = self.records.current(i, self.generation);
         rec.rank = rank;
         for (&k, &slot) in self.scratch_new.iter().zip(out_slots.iter()) {
-            rec.entries[self.scratch_class[k as usize].1 as usize].id = slot;
+            let e = &mut rec.entries[self.scratch_class[k as usize].1 as usize];
+            e.flags |= INSERTED;
+            e.id = slot;
         }
         Ok(counts)
     }
