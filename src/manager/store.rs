@@ -15,8 +15,8 @@ impl Manager {
         plan.indices.resize(n, 0);
         plan.slots.resize(n, 0);
         plan.evicted.resize(n * self.cfg.key_len, 0);
-        let r =
-            self.prepare_store_into(keys, &mut plan.indices, &mut plan.slots, &mut plan.evicted);
+        let (indices, slots, evicted) = (&mut plan.indices, &mut plan.slots, &mut plan.evicted);
+        let r = self.prepare_store_checked(None, keys, &[], indices, slots, evicted);
         let c = r.as_ref().copied().unwrap_or_default();
         plan.indices.truncate(c.stored);
         plan.slots.truncate(c.stored);
@@ -61,8 +61,8 @@ impl Manager {
         out_slots: &mut [u32],
         out_evicted: &mut [u8],
     ) -> Result<StoreCounts> {
-        let n = keys.len() / self.cfg.key_len;
         let kl = self.cfg.key_len;
+        let n = keys.len() / kl;
         if out_indices.len() < n {
             return Err(Error::BufferTooSmall {
                 what: "out_indices",
