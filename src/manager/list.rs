@@ -129,6 +129,25 @@ impl<T: Copy + Default> Links<T> {
         list.len -= 1;
     }
 
+    /// Moves the run of ids from `first` to `last` (consecutive in `list`, `first` not after
+    /// `last`) to the tail, in their order.
+    pub fn move_run_to_back(&mut self, list: &mut List, first: u32, last: u32) {
+        let (p, n) = (self.prev(first), self.next(last));
+        if n == NO_ID {
+            return;
+        }
+        if p == NO_ID {
+            list.head = n;
+        } else {
+            self.nodes[p as usize].next = n;
+        }
+        self.nodes[n as usize].prev = p;
+        self.nodes[list.tail as usize].next = first;
+        self.nodes[first as usize].prev = list.tail;
+        self.nodes[last as usize].next = NO_ID;
+        list.tail = last;
+    }
+
     /// Takes the first `n` ids of `list` out of it, `rest` being the id after them; the caller
     /// walked them and resets each with [`Self::reset`].
     #[inline]
@@ -225,6 +244,23 @@ mod tests {
         links.clear(&mut l);
         assert!((0..5).all(|i| !links.is_linked(i)));
         assert_eq!(collect(&links, &l), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn move_run_to_back_keeps_the_order() {
+        let mut links: Links = Links::with_capacity(6).unwrap();
+        let mut list = List::default();
+        for id in 0..6 {
+            links.push_back(&mut list, id);
+        }
+        links.move_run_to_back(&mut list, 1, 3);
+        assert_eq!(collect(&links, &list), [0, 4, 5, 1, 2, 3]);
+        links.move_run_to_back(&mut list, 0, 4);
+        assert_eq!(collect(&links, &list), [5, 1, 2, 3, 0, 4]);
+        // A run already at the back stays.
+        links.move_run_to_back(&mut list, 0, 4);
+        assert_eq!(collect(&links, &list), [5, 1, 2, 3, 0, 4]);
+        assert_eq!((list.len, links.prev(5)), (6, NO_ID));
     }
 
     #[test]

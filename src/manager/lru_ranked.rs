@@ -27,16 +27,43 @@ struct Rank {
     minor: u64,
 }
 
+/// A node's rank and the anchor whose keys it is among ([`NO_ID`]: none; sentinels are in
+/// none).
+#[derive(Debug, Clone, Copy)]
+struct Ranked {
+    rank: Rank,
+    anchor: u32,
+}
+
+impl Default for Ranked {
+    fn default() -> Self {
+        Self {
+            rank: Rank::default(),
+            anchor: NO_ID,
+        }
+    }
+}
+
+/// Keys an anchor was given and keys that left it since it was taken: a commit can take the
+/// anchor's keys as they lie when none left and it was given every key of its request.
+#[derive(Debug, Clone, Copy, Default)]
+struct AnchorCount {
+    placed: u32,
+    left: u32,
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct RankedLruPolicy {
     num_slots: u32,
-    links: Links<Rank>,
+    links: Links<Ranked>,
     list: List,
     /// The last number handed out (vLLM's `_next_rank`).
     counter: u64,
     /// Anchors (their first sentinel's id) free for reuse, and how many were ever made.
     free_anchors: Vec<u32>,
     anchors_made: u32,
+    /// Per anchor (by [`Self::anchor_index`]).
+    counts: Vec<AnchorCount>,
 }
 
 /// The provisional minor of `position`.
@@ -51,6 +78,24 @@ impl RankedLruPolicy {
         id < self.num_slots
     }
 
+    /// The index of anchor `a` (its first sentinel) among the anchors.
+    #[inline]
+    fn anchor_index(&self, a: u32) -> usize {
+        ((a - self.num_slots) / 2) as usize
+    }
+
+    /// Takes linked node `s` out of the list; if it was among an anchor's keys, counts it as
+    /// left unless it stays in `staying` (the anchor it moves within).
+    #[inline]
+    fn take_out(&mut self, s: u32, staying: u32) {
+        let a = self.links.data(s).anchor;
+        if a != NO_ID && a != staying {
+            let i = self.anchor_index(a);
+            self.counts[i].left += 1;
+        }
+        self.links.unlink(&mut self.list, s);
+    }
+
     #[inline]
     fn fresh(&mut self) -> u64 {
         self.counter += 1;
@@ -62,9 +107,12 @@ impl RankedLruPolicy {
     fn give_fresh(&mut self, s: u32) {
         let major = self.fresh();
         if self.links.is_linked(s) {
-            self.links.unlink(&mut self.list, s);
+            self.take_out(s, NO_ID);
         }
-        *self.links.data_mut(s) = Rank { major, minor: 0 };
+        *self.links.data_mut(s) = Ranked {
+            rank: Rank { major, minor: 0 },
+            anchor: NO_ID,
+        };
         self.links.push_back(&mut self.list, s);
     }
 
@@ -74,13 +122,16 @@ impl RankedLruPolicy {
             let a = self.num_slots + 2 * self.anchors_made;
             self.anchors_made += 1;
             self.links.grow_to(a as usize + 2);
+            self.counts.push(AnchorCount::default());
             a
         });
         let major = self.fresh();
         for id in [a, a + 1] {
-            *self.links.data_mut(id) = Rank { major, minor: 0 };
+            self.links.data_mut(id).rank = Rank { major, minor: 0 };
             self.links.push_back(&mut self.list, id);
         }
+        let i = self.anchor_index(a);
+        self.counts[i] = AnchorCount::default();
         a
     }
 
@@ -93,32 +144,50 @@ impl RankedLruPolicy {
     /// Gives slot `s` the provisional rank `(major of anchor a, minor)`: it moves between the
     /// anchor's sentinels, at its place in `(minor, key bytes)` order.
     fn place(&mut self, s: u32, a: u32, minor: u64, keys: &KeyTable) {
+        let moved = self.links.is_linked(s) && self.links.data(s).anchor == a;
         if self.links.is_linked(s) {
-            self.links.unlink(&mut self.list, s);
+            self.take_out(s, a);
+        }
+        if !moved {
+            let i = self.anchor_index(a);
+            self.counts[i].placed += 1;
         }
         let rank = Rank {
-            major: self.links.data(a).major,
+            major: self.links.data(a).rank.major,
             minor,
         };
-        *self.links.data_mut(s) = rank;
+        *self.links.data_mut(s) = Ranked { rank, anchor: a };
         let (first, end) = (self.links.next(a), a + 1);
-        let at = if first == end || Self::before(keys, (s, rank), (first, *self.links.data(first)))
-        {
+        let at = if first == end || Self::before(keys, (s, rank), (first, self.rank_of(first))) {
             // Typical: a request records its keys head first, so each has the smallest minor.
             first
         } else {
             let last = self.links.prev(end);
-            if Self::before(keys, (last, *self.links.data(last)), (s, rank)) {
+            if Self::before(keys, (last, self.rank_of(last)), (s, rank)) {
                 end
             } else {
                 let mut c = self.links.next(first);
-                while Self::before(keys, (c, *self.links.data(c)), (s, rank)) {
+                while Self::before(keys, (c, self.rank_of(c)), (s, rank)) {
                     c = self.links.next(c);
                 }
                 c
             }
         };
         self.links.insert_before(&mut self.list, at, s);
+    }
+
+    /// Whether anchor `rank` was given each of its request's `keys` keys and none left it.
+    pub fn anchor_holds(&self, rank: u32, keys: usize) -> bool {
+        let k = match rank {
+            NO_ID => return false,
+            a => self.counts[self.anchor_index(a)],
+        };
+        k.left == 0 && k.placed as usize == keys
+    }
+
+    #[inline]
+    fn rank_of(&self, id: u32) -> Rank {
+        self.links.data(id).rank
     }
 
     /// Frees anchor `a`, whose keys have all left it.
@@ -147,7 +216,7 @@ impl RankedLruPolicy {
     /// The rank `(major, minor)` of slot `s` as vLLM writes it (`minor` = `-position` or 0).
     #[cfg(test)]
     pub fn rank(&self, s: u32) -> (u64, i128) {
-        let r = self.links.data(s);
+        let r = self.rank_of(s);
         let minor = if r.minor == 0 {
             0
         } else {
@@ -169,6 +238,7 @@ impl EvictionPolicy for RankedLruPolicy {
             counter: 0,
             free_anchors: Vec::new(),
             anchors_made: 0,
+            counts: Vec::new(),
         })
     }
 
@@ -223,7 +293,7 @@ impl EvictionPolicy for RankedLruPolicy {
         if *rank == NO_ID {
             *rank = self.take_anchor();
         }
-        let major = self.links.data(*rank).major;
+        let major = self.rank_of(*rank).major;
         for (&s, &p) in ids.iter().zip(positions) {
             if !self.is_slot(s) || p == NO_POS {
                 continue;
@@ -232,7 +302,7 @@ impl EvictionPolicy for RankedLruPolicy {
                 major,
                 minor: minor_of(p),
             };
-            if provisional > *self.links.data(s) {
+            if provisional > self.rank_of(s) {
                 self.place(s, *rank, provisional.minor, keys);
             }
         }
@@ -251,6 +321,32 @@ impl EvictionPolicy for RankedLruPolicy {
         }
     }
 
+    /// The commit without the keys, when the request's anchor was given each of its `keys`
+    /// keys and none left it: the anchor then holds exactly the request's present keys, tail
+    /// first (their positions are distinct, so key bytes never break a tie), which is the order
+    /// of the commit's fresh ranks. They take them in that order and move to the back as one run.
+    fn commit_in_anchor_order(&mut self, rank: u32, keys: usize) -> bool {
+        if !self.anchor_holds(rank, keys) {
+            return false;
+        }
+        let (first, end) = (self.links.next(rank), rank + 1);
+        if first != end {
+            let last = self.links.prev(end);
+            let mut s = first;
+            while s != end {
+                let major = self.fresh();
+                *self.links.data_mut(s) = Ranked {
+                    rank: Rank { major, minor: 0 },
+                    anchor: NO_ID,
+                };
+                s = self.links.next(s);
+            }
+            self.links.move_run_to_back(&mut self.list, first, last);
+        }
+        self.release_anchor(rank);
+        true
+    }
+
     /// The first `n` ready, idle, unprotected slots in rank order.
     #[inline]
     fn pick_victims(&self, n: usize, slots: &[SlotState], epoch: u32, out: &mut Vec<u32>) -> bool {
@@ -267,14 +363,14 @@ impl EvictionPolicy for RankedLruPolicy {
     #[inline]
     fn evict(&mut self, victims: &[u32], _slots: &mut [SlotState], keys: &mut KeyTable) {
         for &s in victims {
-            self.links.unlink(&mut self.list, s);
+            self.take_out(s, NO_ID);
             keys.remove_id(s);
         }
     }
 
     #[inline]
     fn remove(&mut self, slot: u32, _slots: &mut [SlotState], keys: &mut KeyTable) {
-        self.links.unlink(&mut self.list, slot);
+        self.take_out(slot, NO_ID);
         keys.remove_id(slot);
     }
 
@@ -283,6 +379,7 @@ impl EvictionPolicy for RankedLruPolicy {
         self.links.clear(&mut self.list);
         self.free_anchors.clear();
         self.anchors_made = 0;
+        self.counts.clear();
         self.counter = 0;
     }
 
@@ -290,8 +387,9 @@ impl EvictionPolicy for RankedLruPolicy {
         0
     }
 
-    /// The list holds every occupied slot once, in strictly increasing `(rank, key)` order,
-    /// and each anchor's keys carry its major.
+    /// The list holds every occupied slot once, in strictly increasing `(rank, key)` order;
+    /// each anchor's keys carry its major and name it, and number its placements less the keys
+    /// that left it; no other key names an anchor.
     fn check(
         &self,
         _slots: &[SlotState],
@@ -301,18 +399,22 @@ impl EvictionPolicy for RankedLruPolicy {
     ) -> Result<(), String> {
         let (mut c, mut keys_seen, mut last): (u32, usize, Option<Rank>) =
             (self.list.head, 0, None);
-        let mut open_anchor: Option<u32> = None;
+        // The anchor open at `c` and the keys seen in it.
+        let mut open_anchor: Option<(u32, u32)> = None;
         while c != NO_ID {
-            let r = *self.links.data(c);
+            let Ranked { rank: r, anchor } = *self.links.data(c);
             if self.is_slot(c) {
                 if !occupied[c as usize] {
                     return Err(format!("ranked LRU lists free slot {c}"));
                 }
                 keys_seen += 1;
-                if let Some(a) = open_anchor
-                    && self.links.data(a).major != r.major
-                {
-                    return Err(format!("slot {c} sits in another request's anchor"));
+                match &mut open_anchor {
+                    Some((a, n)) if self.rank_of(*a).major == r.major && anchor == *a => *n += 1,
+                    Some(_) => return Err(format!("slot {c} sits in another request's anchor")),
+                    None if anchor != NO_ID => {
+                        return Err(format!("slot {c} names anchor {anchor} outside it"));
+                    }
+                    None => {}
                 }
                 if last.is_some_and(|l| l > r) {
                     return Err(format!("ranked LRU out of order at slot {c}"));
@@ -321,8 +423,17 @@ impl EvictionPolicy for RankedLruPolicy {
             } else {
                 let first = (c - self.num_slots).is_multiple_of(2);
                 match (first, open_anchor) {
-                    (true, None) => open_anchor = Some(c),
-                    (false, Some(a)) if a + 1 == c => open_anchor = None,
+                    (true, None) => open_anchor = Some((c, 0)),
+                    (false, Some((a, n))) if a + 1 == c => {
+                        let k = self.counts[self.anchor_index(a)];
+                        if k.placed.checked_sub(k.left) != Some(n) {
+                            return Err(format!(
+                                "anchor {a} holds {n} keys, placed {} and left {}",
+                                k.placed, k.left
+                            ));
+                        }
+                        open_anchor = None;
+                    }
                     _ => return Err(format!("anchor sentinel {c} out of place")),
                 }
                 if last.is_some_and(|l| l.major > r.major) {

@@ -82,6 +82,10 @@ pub struct Manager {
     scratch_access_pos: Vec<u64>,
     scratch_order: Vec<u32>,
     scratch_flags: Vec<u8>,
+    /// Tests: commit every request key by key (the general path the policy's shortcut must
+    /// match).
+    #[cfg(test)]
+    commit_general_only: bool,
     epoch: u32,
     /// The request records of 0.33 semantics, and the cache generation (bumped by `reset`)
     /// that makes older records stale.
@@ -181,6 +185,8 @@ impl Manager {
             scratch_access_pos: Vec::new(),
             scratch_order: Vec::new(),
             scratch_flags: Vec::new(),
+            #[cfg(test)]
+            commit_general_only: false,
             epoch: 0,
             records: Records::default(),
             generation: 0,

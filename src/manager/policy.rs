@@ -126,6 +126,13 @@ pub(super) trait EvictionPolicy: Sized {
     ) {
     }
 
+    /// [`Self::on_request_finished`] of a request whose `keys` recorded keys all have distinct
+    /// positions, if the policy can commit it without them (see the 0.33 LRU); false (the
+    /// default): nothing changed, call `on_request_finished`.
+    fn commit_in_anchor_order(&mut self, _rank: u32, _keys: usize) -> bool {
+        false
+    }
+
     /// Appends to `out` `n` slots to evict by the policy's rule, among the ready, idle slots not
     /// protected in `epoch`, changing nothing; false when there are fewer.
     fn pick_victims(&self, n: usize, slots: &[SlotState], epoch: u32, out: &mut Vec<u32>) -> bool;
@@ -282,6 +289,12 @@ impl PolicyImpl {
         rank: u32,
     ) {
         dispatch!(self, p => p.on_request_finished(ids, flags, slots, rank))
+    }
+
+    /// See [`EvictionPolicy::commit_in_anchor_order`].
+    #[inline]
+    pub fn commit_in_anchor_order(&mut self, rank: u32, keys: usize) -> bool {
+        dispatch!(self, p => p.commit_in_anchor_order(rank, keys))
     }
 
     /// See [`EvictionPolicy::pick_victims`].

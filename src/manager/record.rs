@@ -54,6 +54,9 @@ pub(super) struct Record {
     pub entries: Vec<Entry>,
     /// Keys without a position.
     pub unpositioned: usize,
+    /// Whether every key was recorded with a position above the one before (so positions are
+    /// distinct).
+    pub ascending: bool,
     index: HashTable<u32>,
     indexed: usize,
     /// One bit per recorded key's hash (bit `hash % FILTER_BITS`).
@@ -71,6 +74,7 @@ impl Default for Record {
             keys: Vec::new(),
             entries: Vec::new(),
             unpositioned: 0,
+            ascending: true,
             index: HashTable::new(),
             indexed: 0,
             filter: [0; FILTER_BITS / 64],
@@ -136,6 +140,8 @@ impl Record {
     #[inline]
     fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64) -> u32 {
         let i = self.entries.len() as u32;
+        let above = self.entries.last().is_none_or(|e| e.position < position);
+        self.ascending &= position != NO_POS && above;
         self.keys.extend_from_slice(key);
         self.entries.push(Entry {
             hash,
@@ -186,6 +192,7 @@ impl Record {
         }
         self.entries.clear();
         self.unpositioned = 0;
+        self.ascending = true;
         self.index.clear();
         self.indexed = 0;
         self.rank = NO_ID;
