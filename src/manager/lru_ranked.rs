@@ -11,6 +11,11 @@
 //! a push to the back, and a request rank is an *anchor* (a pair of sentinel nodes pushed to
 //! the back when the number is taken) between which the request's provisional keys are kept
 //! sorted by `(minor, key bytes)`. Node ids are the slots, then the anchors' sentinels.
+//!
+//! A request's commit gives its present keys fresh ranks tail first. When its positions are
+//! distinct and its anchor was given every one of its keys and lost none (the usual request),
+//! the anchor holds exactly those keys in that order: they take their ranks as they lie and
+//! move to the back as one run, without a lookup per key.
 
 use super::keys::KeyTable;
 use super::list::{Links, List};
