@@ -33,7 +33,7 @@ impl Scheduler {
     pub fn match_request(&mut self, id: u64, num_computed_tokens: u64) -> Result<Match> {
         let (kl, chunk_tokens, gbs) = (
             self.cfg.key_len,
-            self.chunk_tokens(),
+            self.cfg.chunk_tokens(),
             self.cfg.gpu_block_size as u64,
         );
         let r = self.live_request(id)?;
@@ -109,7 +109,7 @@ impl Scheduler {
     ) -> Result<Option<u64>> {
         let (kl, chunk_tokens, gbs) = (
             self.cfg.key_len,
-            self.chunk_tokens(),
+            self.cfg.chunk_tokens(),
             self.cfg.gpu_block_size as u64,
         );
         let r = self.live_request(id)?;

@@ -147,10 +147,6 @@ impl Scheduler {
         &self.manager
     }
 
-    fn chunk_tokens(&self) -> u64 {
-        self.cfg.chunk_tokens()
-    }
-
     fn request(&self, id: u64) -> Result<&Request> {
         self.requests
             .get(&id)

@@ -201,7 +201,7 @@ impl Scheduler {
     /// the tier's width.
     fn build_store_job(&mut self, id: u64, n: u64, step: &mut Step) -> bool {
         let (kl, f) = (self.cfg.key_len, self.cfg.block_size_factor as usize);
-        let ct = self.chunk_tokens();
+        let ct = self.cfg.chunk_tokens();
         let r = self.requests.get_mut(&id).expect("validated");
         let start = r.next_stored_chunk;
         if n <= start {
