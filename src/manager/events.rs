@@ -53,7 +53,7 @@ impl EventLog {
 
     /// Appends one key to the record being built by `push_key` calls; `end_record` closes it.
     pub(crate) fn push_key(&mut self, key: &[u8]) {
-        self.keys.extend_from_slice(key);
+        super::keys::append_key(&mut self.keys, key);
     }
 
     /// Closes the record of the keys pushed since the last one (none: no record), as a

@@ -56,6 +56,22 @@ pub(crate) fn copy_key(dst: &mut [u8], src: &[u8]) {
     }
 }
 
+/// Appends a key to `buf` with fixed-size moves for the common widths (no `memcpy` call).
+#[inline(always)]
+pub(crate) fn append_key(buf: &mut Vec<u8>, key: &[u8]) {
+    #[inline(always)]
+    fn words<const N: usize>(buf: &mut Vec<u8>, key: &[u8]) {
+        let k: &[u8; N] = key.try_into().unwrap();
+        buf.extend_from_slice(k);
+    }
+    match key.len() {
+        8 => words::<8>(buf, key),
+        16 => words::<16>(buf, key),
+        32 => words::<32>(buf, key),
+        _ => buf.extend_from_slice(key),
+    }
+}
+
 /// Tables with fewer buckets (with their records, about a megabyte) stay in the CPU caches:
 /// no prefetching.
 const PREFETCH_MIN_BUCKETS: usize = 1 << 16;

@@ -149,36 +149,51 @@ impl RankedLruPolicy {
     /// Gives slot `s` the provisional rank `(major of anchor a, minor)`: it moves between the
     /// anchor's sentinels, at its place in `(minor, key bytes)` order.
     fn place(&mut self, s: u32, a: u32, minor: u64, keys: &KeyTable) {
-        let moved = self.links.is_linked(s) && self.links.data(s).anchor == a;
-        if self.links.is_linked(s) {
-            self.take_out(s, a);
+        if !self.links.is_linked(s) {
+            return self.place_unlinked(s, a, minor, keys);
         }
-        if !moved {
+        let moved = self.links.data(s).anchor == a;
+        self.take_out(s, a);
+        if moved {
             let i = self.anchor_index(a);
-            self.counts[i].placed += 1;
+            self.counts[i].placed -= 1;
         }
+        self.place_unlinked(s, a, minor, keys);
+    }
+
+    /// [`Self::place`] of a slot in no list (a key being stored).
+    #[inline]
+    fn place_unlinked(&mut self, s: u32, a: u32, minor: u64, keys: &KeyTable) {
+        debug_assert!(!self.links.is_linked(s), "slot {s} is linked");
+        let i = self.anchor_index(a);
+        self.counts[i].placed += 1;
         let rank = Rank {
             major: self.links.data(a).rank.major,
             minor,
         };
         *self.links.data_mut(s) = Ranked { rank, anchor: a };
         let (first, end) = (self.links.next(a), a + 1);
+        // Typical: a request records its keys head first, so each has the smallest minor.
         let at = if first == end || Self::before(keys, (s, rank), (first, self.rank_of(first))) {
-            // Typical: a request records its keys head first, so each has the smallest minor.
             first
         } else {
-            let last = self.links.prev(end);
-            if Self::before(keys, (last, self.rank_of(last)), (s, rank)) {
-                end
-            } else {
-                let mut c = self.links.next(first);
-                while Self::before(keys, (c, self.rank_of(c)), (s, rank)) {
-                    c = self.links.next(c);
-                }
-                c
-            }
+            self.place_after_first(s, rank, first, end, keys)
         };
         self.links.insert_before(&mut self.list, at, s);
+    }
+
+    /// Where slot `s` of `rank` goes among an anchor's keys `first..end`, not before `first`.
+    #[inline(never)]
+    fn place_after_first(&self, s: u32, rank: Rank, first: u32, end: u32, keys: &KeyTable) -> u32 {
+        let last = self.links.prev(end);
+        if Self::before(keys, (last, self.rank_of(last)), (s, rank)) {
+            return end;
+        }
+        let mut c = self.links.next(first);
+        while Self::before(keys, (c, self.rank_of(c)), (s, rank)) {
+            c = self.links.next(c);
+        }
+        c
     }
 
     /// Whether anchor `rank` was given each of its request's `keys` keys and none left it.
@@ -263,7 +278,7 @@ impl EvictionPolicy for RankedLruPolicy {
             if *rank == NO_ID {
                 *rank = self.take_anchor();
             }
-            self.place(new.slot, *rank, minor_of(new.position), keys);
+            self.place_unlinked(new.slot, *rank, minor_of(new.position), keys);
         }
         new.slot
     }

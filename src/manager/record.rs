@@ -3,7 +3,7 @@
 //! inserted, which it reused, which it reported as store misses, and the LRU request rank it
 //! took. Records are pooled: a finished request's buffers serve the next one.
 
-use super::keys::{KeyTable, key_eq};
+use super::keys::{KeyTable, append_key, key_eq};
 use super::{NO_ID, RequestId};
 use crate::error::{Result, invalid};
 use hashbrown::HashTable;
@@ -137,12 +137,12 @@ impl Record {
     }
 
     /// Records `key` (not recorded yet, manager id `id`) with `position`; returns its index.
-    #[inline]
+    #[inline(always)]
     fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64) -> u32 {
         let i = self.entries.len() as u32;
         let above = self.entries.last().is_none_or(|e| e.position < position);
         self.ascending &= position != NO_POS && above;
-        self.keys.extend_from_slice(key);
+        append_key(&mut self.keys, key);
         self.entries.push(Entry {
             hash,
             position,
@@ -162,7 +162,7 @@ impl Record {
     /// its index if it is recorded ([`Self::find`]). A recorded key keeps its first position
     /// (or takes this one if it had none) and takes `id`; a new key is pushed. Returns the
     /// key's index and whether it is new.
-    #[inline]
+    #[inline(always)]
     pub fn observe(
         &mut self,
         seen: Option<u32>,

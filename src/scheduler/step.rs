@@ -130,19 +130,14 @@ impl Scheduler {
             }
         }
         self.pending_loads.clear(self.cfg.block_size_factor);
-        let (touches, kl) = (!self.v033(), self.cfg.key_len);
+        let touches = !self.v033();
         for (i, s) in scheduled.iter().enumerate() {
-            // The next storing request's keys (0.24: all of them, it touches them; 0.33: its
-            // store candidates): start their misses now (the candidates, prefetched above, may
-            // have left the closer caches by now).
-            if let Some(next) = scheduled.get(i + 1) {
+            // 0.24: the next storing request touches all its keys: start their misses now (its
+            // store candidates were prefetched above).
+            if let Some(next) = scheduled.get(i + 1).filter(|_| touches) {
                 let (r, n) = (&self.requests[&next.request_id], self.scratch_chunks[i + 1]);
                 if n > r.next_stored_chunk {
-                    let keys = match touches {
-                        true => &r.keys[..],
-                        false => r.keys_of(kl, r.next_stored_chunk, n),
-                    };
-                    self.manager.prefetch(keys);
+                    self.manager.prefetch(&r.keys);
                 }
             }
             self.build_store_job(s.request_id, self.scratch_chunks[i], step);
