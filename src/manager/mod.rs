@@ -75,8 +75,11 @@ pub struct Manager {
     scratch_new: Vec<u32>,
     scratch_pairs: Vec<(u64, u32)>,
     scratch_filter: Vec<u64>,
-    /// Per key of a 0.33 store: its class (candidate, ready, neither) and record index.
-    scratch_class: Vec<(u8, u32)>,
+    /// Of a 0.33 store: the record index of each candidate, the ids reported as store misses,
+    /// the absent keys the threshold filtered out.
+    scratch_entries: Vec<u32>,
+    scratch_misses: Vec<u32>,
+    scratch_filtered: Vec<u32>,
     /// Manager ids and positions handed to a 0.33 policy hook, and a commit's order and flags.
     scratch_access_ids: Vec<u32>,
     scratch_access_pos: Vec<u64>,
@@ -180,7 +183,9 @@ impl Manager {
             scratch_new: Vec::new(),
             scratch_pairs: Vec::new(),
             scratch_filter: Vec::new(),
-            scratch_class: Vec::new(),
+            scratch_entries: Vec::new(),
+            scratch_misses: Vec::new(),
+            scratch_filtered: Vec::new(),
             scratch_access_ids: Vec::new(),
             scratch_access_pos: Vec::new(),
             scratch_order: Vec::new(),

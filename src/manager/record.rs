@@ -31,6 +31,9 @@ pub(super) struct Entry {
     pub group: u32,
     /// [`INSERTED`], [`REUSED`], [`STORE_MISS`].
     pub flags: u8,
+    /// The record's store offer ([`Record::begin_offer`]) that last made the key a candidate;
+    /// 0: none.
+    pub offer: u32,
 }
 
 /// Bits of a record's filter of key hashes.
@@ -63,6 +66,8 @@ pub(super) struct Record {
     filter: [u64; FILTER_BITS / 64],
     /// The policy's request rank (0.33 LRU: an anchor id), [`NO_ID`] until taken.
     pub rank: u32,
+    /// The last store offer's number (entries' [`Entry::offer`]).
+    offers: u32,
 }
 
 impl Default for Record {
@@ -79,6 +84,7 @@ impl Default for Record {
             indexed: 0,
             filter: [0; FILTER_BITS / 64],
             rank: NO_ID,
+            offers: 0,
         }
     }
 }
@@ -149,6 +155,7 @@ impl Record {
             id,
             group: group_of(key),
             flags: 0,
+            offer: 0,
         });
         if position == NO_POS {
             self.unpositioned += 1;
@@ -183,6 +190,17 @@ impl Record {
         (i, false)
     }
 
+    /// Starts a store offer: returns its number, distinct from every [`Entry::offer`] of the
+    /// record.
+    pub fn begin_offer(&mut self) -> u32 {
+        self.offers = self.offers.wrapping_add(1);
+        if self.offers == 0 {
+            self.entries.iter_mut().for_each(|e| e.offer = 0);
+            self.offers = 1;
+        }
+        self.offers
+    }
+
     /// Empties the record (keeping its buffers) for `generation`.
     fn reset(&mut self, generation: u64) {
         self.generation = generation;
@@ -196,6 +214,7 @@ impl Record {
         self.index.clear();
         self.indexed = 0;
         self.rank = NO_ID;
+        self.offers = 0;
     }
 }
 

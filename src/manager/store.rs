@@ -5,7 +5,7 @@
 use super::keys::{self, key_eq};
 use super::policy::NewKeys;
 use super::record::{INSERTED, NO_POS, REUSED, STORE_MISS};
-use super::{IN_FLIGHT, Manager, NO_ID, SlotState, StoreCounts, StorePlan, key_at};
+use super::{IN_FLIGHT, Manager, NO_ID, SlotState, StoreCounts, StorePlan};
 use crate::error::{Error, Result, invalid};
 
 impl Manager {
@@ -146,6 +146,9 @@ impl Manager {
     /// the candidates not reported before by this request as store misses; record the
     /// candidates and the ready keys (these as reused); evict with the whole offer protected;
     /// insert.
+    ///
+    /// One pass over the offer classifies, deduplicates and records: a repeated absent key
+    /// finds its first listing in the record (stamped with this offer) and is left out.
     fn store_033(
         &mut self,
         i: usize,
@@ -155,100 +158,85 @@ impl Manager {
         out_slots: &mut [u32],
         out_evicted: &mut [u8],
     ) -> Result<StoreCounts> {
-        const NEITHER: u8 = 0;
-        const CANDIDATE: u8 = 1;
-        const READY: u8 = 2;
-        // A candidate reported as a store miss by this call.
-        const CANDIDATE_MISS: u8 = 3;
         let n = self.resolve(keys);
         let kl = self.cfg.key_len;
         if let Some(t) = &mut self.tracker {
             t.count_offer(&self.scratch_hash[..n], keys, kl);
         }
         self.next_epoch();
-        self.scratch_new.clear();
-        self.scratch_class.clear();
-        for &id in &self.scratch_ids[..n] {
-            let class = if (id as usize) < self.cfg.num_slots {
-                let st = &mut self.slots[id as usize];
-                st.stamp = self.epoch;
+        let (epoch, num_slots) = (self.epoch, self.cfg.num_slots);
+        let rec = self.records.current(i, self.generation);
+        let offer = rec.begin_offer();
+        let (new, entries, misses, filtered) = (
+            &mut self.scratch_new,
+            &mut self.scratch_entries,
+            &mut self.scratch_misses,
+            &mut self.scratch_filtered,
+        );
+        let (access_ids, access_pos) = (&mut self.scratch_access_ids, &mut self.scratch_access_pos);
+        for v in [
+            &mut *new,
+            &mut *entries,
+            &mut *misses,
+            &mut *filtered,
+            &mut *access_ids,
+        ] {
+            v.clear();
+        }
+        access_pos.clear();
+        let (hashes, ids, slots, tracker) = (
+            &self.scratch_hash[..n],
+            &self.scratch_ids[..n],
+            &mut self.slots,
+            &self.tracker,
+        );
+        for (k, key) in keys.chunks_exact(kl).enumerate() {
+            let (h, id) = (hashes[k], ids[k]);
+            let present = (id as usize) < num_slots;
+            let seen = if present {
+                let st = &mut slots[id as usize];
+                st.stamp = epoch;
                 if st.ref_cnt == IN_FLIGHT {
-                    NEITHER
-                } else {
-                    READY
+                    continue;
+                }
+                rec.find(h, key)
+            } else {
+                let seen = rec.find(h, key);
+                let flags = seen
+                    .map(|j| rec.entries[j as usize])
+                    .map(|e| (e.offer, e.flags));
+                if flags.is_some_and(|(o, _)| o == offer) {
+                    continue; // listed before in this offer
+                }
+                if tracker.as_ref().is_some_and(|t| !t.passes(h, key)) {
+                    filtered.push(k as u32);
+                    continue;
+                }
+                if flags.is_none_or(|(_, f)| f & STORE_MISS == 0) {
+                    misses.push(id);
+                }
+                seen
+            };
+            let p = positions.get(k).copied().unwrap_or(NO_POS);
+            let (j, is_new) = rec.observe(seen, h, key, id, p);
+            if is_new {
+                access_ids.push(id);
+                access_pos.push(p);
+            }
+            let e = &mut rec.entries[j as usize];
+            if present {
+                if e.flags & INSERTED == 0 {
+                    e.flags |= REUSED;
                 }
             } else {
-                self.scratch_new.push(self.scratch_class.len() as u32);
-                CANDIDATE
-            };
-            self.scratch_class.push((class, NO_ID));
-        }
-        let absent = self.scratch_new.len();
-        self.dedupe_new(keys);
-        if let Some(t) = &self.tracker {
-            let hashes = &self.scratch_hash;
-            let before = self.scratch_new.len();
-            self.scratch_new
-                .retain(|&k| t.passes(hashes[k as usize], key_at(keys, kl, k)));
-            self.stats.stores_skipped += (before - self.scratch_new.len()) as u64;
-        }
-        if self.scratch_new.len() < absent {
-            // The candidates left; the others (filtered, repeated) are neither.
-            for c in &mut self.scratch_class {
-                if c.0 == CANDIDATE {
-                    c.0 = NEITHER;
-                }
-            }
-            for &k in &self.scratch_new {
-                self.scratch_class[k as usize].0 = CANDIDATE;
+                e.flags |= STORE_MISS;
+                e.offer = offer;
+                new.push(k as u32);
+                entries.push(j);
             }
         }
-        // Store misses: candidates this request has not reported yet.
-        let rec = self.records.current(i, self.generation);
-        self.scratch_access_ids.clear();
-        for &k in &self.scratch_new {
-            let k = k as usize;
-            let seen = rec.find(self.scratch_hash[k], key_at(keys, kl, k as u32));
-            // The record index is kept for the recording below (NO_ID: not recorded yet).
-            self.scratch_class[k].1 = seen.unwrap_or(NO_ID);
-            if seen.is_none_or(|j| rec.entries[j as usize].flags & STORE_MISS == 0) {
-                self.scratch_access_ids.push(self.scratch_ids[k]);
-                self.scratch_class[k].0 = CANDIDATE_MISS;
-            }
-        }
-        if !self.scratch_access_ids.is_empty() {
-            self.policy.on_store_miss(&self.scratch_access_ids);
-        }
-        // Record the candidates and the ready keys, in offer order.
-        self.scratch_access_ids.clear();
-        self.scratch_access_pos.clear();
-        for (k, key) in keys.chunks_exact(kl).enumerate() {
-            let (class, seen) = self.scratch_class[k];
-            if class == NEITHER {
-                continue;
-            }
-            let (h, p) = (
-                self.scratch_hash[k],
-                positions.get(k).copied().unwrap_or(NO_POS),
-            );
-            let seen = match class {
-                READY => rec.find(h, key),
-                _ => Some(seen).filter(|&j| j != NO_ID),
-            };
-            let id = self.scratch_ids[k];
-            let (j, new) = rec.observe(seen, h, key, id, p);
-            if new {
-                self.scratch_access_ids.push(id);
-                self.scratch_access_pos.push(p);
-            }
-            let f = &mut rec.entries[j as usize].flags;
-            if class == CANDIDATE_MISS {
-                *f |= STORE_MISS;
-            }
-            if class == READY && *f & INSERTED == 0 {
-                *f |= REUSED;
-            }
-            self.scratch_class[k].1 = j;
+        if !self.scratch_misses.is_empty() {
+            self.policy.on_store_miss(&self.scratch_misses);
         }
         if !self.scratch_access_ids.is_empty() {
             self.policy.on_request_access(
@@ -258,6 +246,13 @@ impl Manager {
                 &self.keys,
             );
         }
+        if self.scratch_filtered.len() > 1 {
+            // A key filtered twice counts once.
+            std::mem::swap(&mut self.scratch_new, &mut self.scratch_filtered);
+            self.dedupe_new(keys);
+            std::mem::swap(&mut self.scratch_new, &mut self.scratch_filtered);
+        }
+        self.stats.stores_skipped += self.scratch_filtered.len() as u64;
         let to_store = self.scratch_new.len();
         if to_store == 0 {
             return Ok(StoreCounts::default());
@@ -268,8 +263,8 @@ impl Manager {
         let counts = self.insert_new(keys, positions, out_indices, out_slots, &mut rank)?;
         let rec = self.records.current(i, self.generation);
         rec.rank = rank;
-        for (&k, &slot) in self.scratch_new.iter().zip(out_slots.iter()) {
-            let e = &mut rec.entries[self.scratch_class[k as usize].1 as usize];
+        for (&j, &slot) in self.scratch_entries.iter().zip(out_slots.iter()) {
+            let e = &mut rec.entries[j as usize];
             e.flags |= INSERTED;
             e.id = slot;
         }

@@ -250,14 +250,63 @@ fn zero_capacity_never_stores() {
     assert_eq!(store(&mut m, &[]).unwrap(), (vec![], vec![], vec![]));
 }
 
+/// A manager of `num_slots` slots in `semantics` (LRU, events on).
+fn mgr_in(semantics: Semantics, num_slots: usize) -> Manager {
+    Manager::new(ManagerConfig {
+        key_len: 8,
+        num_slots,
+        enable_events: true,
+        semantics,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
 #[test]
 fn duplicate_keys_in_one_store_are_stored_once() {
-    let mut m = mgr(4, Policy::Lru);
-    assert_eq!(
-        store(&mut m, &[5, 5, 6, 5]).unwrap(),
-        (vec![0, 2], vec![0, 1], vec![])
-    );
-    assert_eq!(m.stats().stores_in_flight, 2);
+    for semantics in [Semantics::Vllm024, Semantics::Vllm033] {
+        let mut m = mgr_in(semantics, 4);
+        assert_eq!(
+            store(&mut m, &[5, 5, 6, 5]).unwrap(),
+            (vec![0, 2], vec![0, 1], vec![]),
+            "{semantics:?}"
+        );
+        assert_eq!(m.stats().stores_in_flight, 2);
+        // Offered again while in flight: nothing to store.
+        assert_eq!(store(&mut m, &[6, 5, 6]).unwrap(), (vec![], vec![], vec![]));
+    }
+}
+
+/// Below the store threshold a key listed twice in one offer counts as skipped per listing in
+/// 0.24 (the filter comes before the dedupe) and once in 0.33 (after it); once it passes it is
+/// stored once, at its first listing.
+#[test]
+fn duplicate_keys_below_the_threshold_are_skipped_once() {
+    for semantics in [Semantics::Vllm024, Semantics::Vllm033] {
+        let mut m = Manager::new(ManagerConfig {
+            key_len: 8,
+            num_slots: 8,
+            store_threshold: 2,
+            semantics,
+            ..Default::default()
+        })
+        .unwrap();
+        let skipped = match semantics {
+            Semantics::Vllm024 => 4,
+            Semantics::Vllm033 => 2,
+        };
+        assert_eq!(store(&mut m, &[1, 1, 2, 1]).unwrap().0, Vec::<u32>::new());
+        assert_eq!(m.stats().stores_skipped, skipped, "{semantics:?}");
+        // 0.24 counts lookups, 0.33 offers.
+        if semantics == Semantics::Vllm024 {
+            for i in [1, 2, 1, 2] {
+                look(&mut m, i);
+            }
+        }
+        let stored = store(&mut m, &[3, 1, 2, 1, 2]).unwrap().0;
+        assert_eq!(stored, vec![1, 2], "{semantics:?}");
+        assert_eq!(m.stats().stores_skipped, skipped + 1, "{semantics:?}");
+    }
 }
 
 /// Every size and repeat pattern goes through the same dedupe: few repeats (filter, clash
@@ -284,11 +333,13 @@ fn duplicate_keys_dedupe_matches_a_naive_first_occurrence_filter() {
         let first: Vec<u32> = (0..n as u32)
             .filter(|&i| seen.insert(ks[i as usize]))
             .collect();
-        let mut m = mgr(n, Policy::Lru);
-        let (indices, slots, evicted) = store(&mut m, &ks).unwrap();
-        assert_eq!(indices, first, "n={n} distinct={distinct}");
-        assert_eq!(slots, (0..first.len() as u32).collect::<Vec<_>>());
-        assert!(evicted.is_empty());
+        for semantics in [Semantics::Vllm024, Semantics::Vllm033] {
+            let mut m = mgr_in(semantics, n);
+            let (indices, slots, evicted) = store(&mut m, &ks).unwrap();
+            assert_eq!(indices, first, "n={n} distinct={distinct} {semantics:?}");
+            assert_eq!(slots, (0..first.len() as u32).collect::<Vec<_>>());
+            assert!(evicted.is_empty());
+        }
     }
 }
 
