@@ -199,32 +199,29 @@ impl KeyTable {
             .copied()
     }
 
-    /// Hashes every key of `keys` (back to back) into `hashes`, then finds each in order and
-    /// appends `id_of(its id)` (`None`: absent) to `ids` (both replaced). On large tables the
-    /// index lines of all keys are prefetched first, so that their misses overlap.
+    /// Finds each key of `keys` (back to back, with their `hashes`) in order and appends
+    /// `id_of(its id)` (`None`: absent) to `ids`. On large tables the index lines of all keys
+    /// are prefetched first, so that their misses overlap.
     #[inline]
-    pub fn find_all(
+    pub fn find_all_hashed(
         &self,
         keys: &[u8],
-        hashes: &mut Vec<u64>,
+        hashes: &[u64],
         ids: &mut Vec<u32>,
         id_of: impl Fn(Option<u32>) -> u32,
     ) {
         let (arena, stride, kl) = (&self.arena, self.stride, self.key_len);
-        hashes.clear();
-        hashes.extend(keys.chunks_exact(kl).map(|key| self.hash(key)));
         if self.layout.1 >= PREFETCH_MIN_BUCKETS {
             hashes.iter().for_each(|&h| self.prefetch(h, false));
         }
-        // This closure type is find_all's own, which keeps hashbrown's probe inlined here
-        // (shared with other callers, it would stay a call).
-        let found = keys.chunks_exact(kl).zip(hashes.iter()).map(|(key, &h)| {
+        // This closure type is find_all_hashed's own, which keeps hashbrown's probe inlined
+        // here (shared with other callers, it would stay a call).
+        let found = keys.chunks_exact(kl).zip(hashes).map(|(key, &h)| {
             let id = self
                 .table
                 .find(h, |&id| key_eq(record_key(arena, stride, kl, id), key));
             id_of(id.copied())
         });
-        ids.clear();
         ids.extend(found);
     }
 

@@ -143,7 +143,10 @@ impl RankedLruPolicy {
     /// The rank order of slots `a` and `b` with ranks `ra`, `rb` (key bytes break ties).
     #[inline]
     fn before(keys: &KeyTable, a: (u32, Rank), b: (u32, Rank)) -> bool {
-        (a.1, keys.key(a.0)) < (b.1, keys.key(b.0))
+        match a.1.cmp(&b.1) {
+            std::cmp::Ordering::Equal => keys.key(a.0) < keys.key(b.0),
+            o => o.is_lt(),
+        }
     }
 
     /// Gives slot `s` the provisional rank `(major of anchor a, minor)`: it moves between the
@@ -300,9 +303,9 @@ impl EvictionPolicy for RankedLruPolicy {
         }
     }
 
-    /// Takes the request rank if the request has none (even when no key qualifies), then
-    /// raises each stored key with a position to the provisional rank if that is newer than
-    /// its rank (a key never gets older).
+    /// Takes the request rank if the request has none (even when no key is given), then
+    /// raises each key to the provisional rank if that is newer than its rank (a key never
+    /// gets older).
     fn on_request_access(
         &mut self,
         ids: &[u32],
@@ -315,9 +318,7 @@ impl EvictionPolicy for RankedLruPolicy {
         }
         let major = self.rank_of(*rank).major;
         for (&s, &p) in ids.iter().zip(positions) {
-            if !self.is_slot(s) || p == NO_POS {
-                continue;
-            }
+            debug_assert!(self.is_slot(s) && p != NO_POS, "slot {s} at {p}");
             let provisional = Rank {
                 major,
                 minor: minor_of(p),

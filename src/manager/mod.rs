@@ -64,9 +64,11 @@ pub struct Manager {
     events: EventLog,
     stats: ManagerStats,
     // Scratch space reused by every call (no allocation per key once warm).
-    /// What `resolve` found: hashes and manager ids of the keys in `resolved_keys`, valid
-    /// while the key table's version is `resolved_version` (a later call on the same keys, or on
-    /// a prefix of them, reuses them).
+    /// The resolution of the last keys a call named (`resolved_keys`): the hashes of its first
+    /// `scratch_hash.len()` keys, and the manager ids of its first `scratch_ids.len()` keys
+    /// (never more than are hashed), valid while the key table's version is
+    /// `resolved_version`. A later call on keys sharing a prefix with them reuses what was
+    /// resolved of that prefix (a lookup, then the load of its hits, then the store of all).
     scratch_hash: Vec<u64>,
     scratch_ids: Vec<u32>,
     resolved_keys: Vec<u8>,
@@ -268,23 +270,61 @@ impl Manager {
     }
 
     /// Resolves every key of `keys` into the first entries of `scratch_hash` / `scratch_ids`
-    /// (the manager id: a slot, an ARC ghost, or [`NO_ID`]); returns their number. Reuses the
-    /// last resolution when `keys` are its keys or a prefix of them and the key table has not
-    /// changed since (a match's lookup then its load, a load then its store). Otherwise finds all
-    /// with [`KeyTable::find_all`].
+    /// (the manager id: a slot, an ARC ghost, or [`NO_ID`]); returns their number. What the
+    /// last resolution holds of a common prefix is reused (see [`Self::rebase`]); the rest is
+    /// found with [`KeyTable::find_all_hashed`].
     fn resolve(&mut self, keys: &[u8]) -> usize {
         let n = keys.len() / self.cfg.key_len;
-        if self.resolved_version == self.keys.version()
-            && self.resolved_keys.get(..keys.len()) == Some(keys)
-        {
-            return n;
+        self.rebase(keys);
+        self.hash_to(n, false);
+        let (kl, found) = (self.cfg.key_len, self.scratch_ids.len());
+        if found < n {
+            let (keys, hashes) = (&self.resolved_keys[found * kl..n * kl], &self.scratch_hash);
+            let ids = &mut self.scratch_ids;
+            self.policy
+                .find_all(&self.keys, keys, &hashes[found..n], ids);
         }
-        self.resolved_keys.clear();
-        self.resolved_keys.extend_from_slice(keys);
-        self.resolved_version = self.keys.version();
-        let (hashes, ids) = (&mut self.scratch_hash, &mut self.scratch_ids);
-        self.policy.find_all(&self.keys, keys, hashes, ids);
         n
+    }
+
+    /// Makes the resolution describe `keys`: when they and the last resolved keys agree on the
+    /// shorter of the two, the longer is kept with every hash computed, and the manager ids
+    /// while the key table is unchanged; otherwise it starts again from `keys`.
+    #[inline]
+    fn rebase(&mut self, keys: &[u8]) {
+        let r = &mut self.resolved_keys;
+        let common = r.len().min(keys.len());
+        if r[..common] != keys[..common] {
+            r.clear();
+            self.scratch_hash.clear();
+            self.scratch_ids.clear();
+        }
+        if keys.len() > r.len() {
+            r.extend_from_slice(&keys[r.len()..]);
+        }
+        if self.resolved_version != self.keys.version() {
+            self.resolved_version = self.keys.version();
+            self.scratch_ids.clear();
+        }
+    }
+
+    /// Hashes the resolution's keys up to the `n`-th, prefetching the index lines of each new
+    /// hash with `prefetch`.
+    #[inline]
+    fn hash_to(&mut self, n: usize, prefetch: bool) {
+        let (kl, from) = (self.cfg.key_len, self.scratch_hash.len());
+        if from >= n {
+            return;
+        }
+        let keys = self.resolved_keys[from * kl..n * kl].chunks_exact(kl);
+        let table = &self.keys;
+        self.scratch_hash.extend(keys.map(|key| {
+            let h = table.hash(key);
+            if prefetch {
+                table.prefetch(h, true);
+            }
+            h
+        }));
     }
 
     /// Starts loading into the CPU caches the index entries that calls on `keys` will read, so
@@ -346,25 +386,22 @@ impl Manager {
     pub fn lookup_prefix(&mut self, keys: &[u8]) -> Result<PrefixLookup> {
         let n = self.check_keys(keys, "keys")?;
         let kl = self.cfg.key_len;
-        // Hashes run AHEAD keys in front of the lookups, each prefetched when computed.
+        self.rebase(keys);
+        // Hashes run AHEAD keys in front of the lookups, each prefetched when computed; the
+        // keys looked up stay resolved for the calls that follow (a load of the hits).
         const AHEAD: usize = 8;
-        let mut ahead = [0u64; AHEAD];
-        let hash_at = |m: &Self, i: usize| {
-            let h = m.keys.hash(key_at(keys, kl, i as u32));
-            m.keys.prefetch(h, true);
-            h
-        };
-        for (i, h) in ahead.iter_mut().enumerate().take(n) {
-            *h = hash_at(self, i);
-        }
         let (v033, mut out) = (self.v033(), PrefixLookup::default());
         for i in 0..n {
-            let h = ahead[i % AHEAD];
-            if i + AHEAD < n {
-                ahead[i % AHEAD] = hash_at(self, i + AHEAD);
-            }
-            let key = key_at(keys, kl, i as u32);
-            let id = self.find_hashed(h, key);
+            self.hash_to((i + AHEAD + 1).min(n), true);
+            let (h, key) = (self.scratch_hash[i], key_at(keys, kl, i as u32));
+            let id = match self.scratch_ids.get(i) {
+                Some(&id) => Some(id).filter(|&s| s != NO_ID),
+                None => {
+                    let id = self.find_hashed(h, key);
+                    self.scratch_ids.push(id.unwrap_or(NO_ID));
+                    id
+                }
+            };
             match self.count_lookup(v033, h, key, id) {
                 Lookup::Miss => break,
                 Lookup::Retry | Lookup::HitPending => out.retry = true,

@@ -99,8 +99,13 @@ pub(super) trait EvictionPolicy: Sized {
     /// most recent); [`NO_ID`] entries are skipped.
     fn touch(&mut self, ids: &[u32], slots: &[SlotState]);
 
-    /// vLLM 0.33 `on_request_access`: a request observes the keys of manager ids `ids` (with
-    /// `positions`, [`NO_POS`]: none) for the first time; `rank` as for [`Self::insert`].
+    /// Whether [`Self::on_store_miss`] does anything (its callers collect the misses only
+    /// then).
+    const OBSERVES_STORE_MISSES: bool = false;
+
+    /// vLLM 0.33 `on_request_access`: a request observes keys for the first time; `ids` are
+    /// those of them that are stored and have a position (the manager ids, with their
+    /// `positions`: vLLM's access hook changes no other key); `rank` as for [`Self::insert`].
     fn on_request_access(
         &mut self,
         _ids: &[u32],
@@ -168,6 +173,11 @@ pub(super) enum PolicyImpl {
     Arc(ArcPolicy),
 }
 
+/// [`EvictionPolicy::OBSERVES_STORE_MISSES`] of `P`.
+fn observes_store_misses<P: EvictionPolicy>(_: &P) -> bool {
+    P::OBSERVES_STORE_MISSES
+}
+
 /// Runs `$body` with `$p` bound to the policy inside `$policy` (compiled once per policy).
 macro_rules! dispatch {
     ($policy:expr, $p:ident => $body:expr) => {
@@ -215,17 +225,11 @@ impl PolicyImpl {
         dispatch!(self, p => p.id_of_entry(e))
     }
 
-    /// Hashes and finds every key of `keys` (back to back) into `hashes` and `ids` (both
-    /// replaced): the manager id of each, or [`NO_ID`]. See [`KeyTable::find_all`].
+    /// Finds every key of `keys` (back to back, with their `hashes`) and appends the manager
+    /// id of each, or [`NO_ID`], to `ids`. See [`KeyTable::find_all_hashed`].
     #[inline]
-    pub fn find_all(
-        &self,
-        table: &KeyTable,
-        keys: &[u8],
-        hashes: &mut Vec<u64>,
-        ids: &mut Vec<u32>,
-    ) {
-        dispatch!(self, p => table.find_all(keys, hashes, ids, |e| {
+    pub fn find_all(&self, table: &KeyTable, keys: &[u8], hashes: &[u64], ids: &mut Vec<u32>) {
+        dispatch!(self, p => table.find_all_hashed(keys, hashes, ids, |e| {
             e.map_or(NO_ID, |e| p.id_of_entry(e))
         }))
     }
@@ -272,6 +276,12 @@ impl PolicyImpl {
         keys: &KeyTable,
     ) {
         dispatch!(self, p => p.on_request_access(ids, positions, rank, keys))
+    }
+
+    /// See [`EvictionPolicy::OBSERVES_STORE_MISSES`].
+    #[inline]
+    pub fn observes_store_misses(&self) -> bool {
+        dispatch!(self, _p => observes_store_misses(_p))
     }
 
     /// See [`EvictionPolicy::on_store_miss`].

@@ -37,13 +37,19 @@ pub(super) struct Entry {
 }
 
 /// Bits of a record's filter of key hashes.
-const FILTER_BITS: usize = 1024;
+const FILTER_BITS: usize = 4096;
+
+/// Keys past the hash index that a find compares one by one; with more, it extends the index.
+const SCAN_MAX: usize = 64;
 
 /// One request's record. Its keys are indices `0..len()` in first-observation order.
 ///
-/// The hash index covers the first `indexed` keys and is extended to all of them by the first
-/// [`Self::find`] the filter does not answer: a request that never meets a key twice (most
-/// requests, most keys) never builds it.
+/// A find tries first the key after the last one found (a request observes its keys again in
+/// the order it recorded them: the store after a load of its prefix, the chunks offered again
+/// after a match), then a filter of the recorded hashes, then the hash index over the first
+/// `indexed` keys and the keys after them one by one, extending the index first when those
+/// are more than [`SCAN_MAX`]: a request that never meets a key twice out of order (most
+/// requests) never builds it.
 #[derive(Debug)]
 pub(super) struct Record {
     /// Bumped each time the pool entry is handed out; half of the [`RequestId`].
@@ -62,6 +68,8 @@ pub(super) struct Record {
     pub ascending: bool,
     index: HashTable<u32>,
     indexed: usize,
+    /// The key after the last one found (the first guess of a find).
+    cursor: usize,
     /// One bit per recorded key's hash (bit `hash % FILTER_BITS`).
     filter: [u64; FILTER_BITS / 64],
     /// The policy's request rank (0.33 LRU: an anchor id), [`NO_ID`] until taken.
@@ -82,6 +90,7 @@ impl Default for Record {
             ascending: true,
             index: HashTable::new(),
             indexed: 0,
+            cursor: 0,
             filter: [0; FILTER_BITS / 64],
             rank: NO_ID,
             offers: 0,
@@ -117,29 +126,45 @@ impl Record {
     /// The index of `key` (hash `hash`), if recorded.
     #[inline(always)]
     pub fn find(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
+        let c = self.cursor;
+        if let Some(e) = self.entries.get(c)
+            && e.hash == hash
+            && key_eq(self.key(c, key.len()), key)
+        {
+            self.cursor = c + 1;
+            return Some(c as u32);
+        }
         let (w, bit) = filter_bit(hash);
         if self.filter[w] & bit == 0 {
             return None;
         }
-        self.find_indexed(hash, key)
+        self.find_past_filter(hash, key)
     }
 
-    /// [`Self::find`] past the filter: through the index, extended to every key first.
+    /// [`Self::find`] past the guess and the filter: through the index and the keys after it.
     #[inline(never)]
-    fn find_indexed(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
+    fn find_past_filter(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
         let kl = key.len();
         let entries = &self.entries;
-        for i in self.indexed..entries.len() {
-            self.index
-                .insert_unique(entries[i].hash, i as u32, |&j| entries[j as usize].hash);
+        if entries.len() - self.indexed > SCAN_MAX {
+            for i in self.indexed..entries.len() {
+                self.index
+                    .insert_unique(entries[i].hash, i as u32, |&j| entries[j as usize].hash);
+            }
+            self.indexed = entries.len();
         }
-        self.indexed = entries.len();
         let keys = &self.keys;
-        self.index
-            .find(hash, |&i| {
-                key_eq(&keys[i as usize * kl..(i as usize + 1) * kl], key)
-            })
-            .copied()
+        let key_of = |i: usize| &keys[i * kl..(i + 1) * kl];
+        let found = self
+            .index
+            .find(hash, |&i| key_eq(key_of(i as usize), key))
+            .map(|&i| i as usize)
+            .or_else(|| {
+                (self.indexed..entries.len())
+                    .find(|&i| entries[i].hash == hash && key_eq(key_of(i), key))
+            })?;
+        self.cursor = found + 1;
+        Some(found as u32)
     }
 
     /// Records `key` (not recorded yet, manager id `id`) with `position`; returns its index.
@@ -213,6 +238,7 @@ impl Record {
         self.ascending = true;
         self.index.clear();
         self.indexed = 0;
+        self.cursor = 0;
         self.rank = NO_ID;
         self.offers = 0;
     }
@@ -286,6 +312,7 @@ impl Records {
             let n = r.len();
             if r.keys.len() != n * key_len
                 || r.indexed > n
+                || r.cursor > n
                 || r.index.len() != r.indexed
                 || r.entries.iter().filter(|e| e.position == NO_POS).count() != r.unpositioned
             {
@@ -347,8 +374,34 @@ mod tests {
             }
             // Same hash, other key: the bytes decide.
             assert_eq!(r.find(hash(0), &key(u64::MAX)), None);
-            assert_eq!(r.indexed, if n == 1 { 1 } else { n as usize });
+            // Few keys are compared one by one, more are indexed.
+            let unindexed = n as usize - r.indexed;
+            assert!(unindexed <= SCAN_MAX, "{unindexed} of {n} keys not indexed");
+            assert_eq!(r.indexed == 0, n as usize <= SCAN_MAX, "{n} keys");
         }
+    }
+
+    /// Keys observed again in recorded order are found at the guess; out of order, or a key
+    /// whose hash is the guess's, the filter and the scan answer, and the guess follows.
+    #[test]
+    fn a_find_guesses_the_key_after_the_last_one_found() {
+        let mut r = Record::default();
+        for i in 0..10 {
+            r.observe(None, hash(i), &key(i), i as u32, i);
+        }
+        for i in 0..10 {
+            assert_eq!(r.find(hash(i), &key(i)), Some(i as u32));
+            assert_eq!(r.cursor, i as usize + 1);
+        }
+        assert_eq!(r.find(hash(3), &key(3)), Some(3));
+        assert_eq!(r.cursor, 4);
+        // The guess's hash with other bytes is not the guess.
+        assert_eq!(r.find(hash(4), &key(u64::MAX)), None);
+        assert_eq!(r.find(hash(4), &key(4)), Some(4));
+        // A key not recorded, past the end: nothing found, nothing indexed.
+        assert_eq!(r.find(hash(10), &key(10)), None);
+        assert_eq!(r.find(hash(5), &key(5)), Some(5));
+        assert_eq!((r.indexed, r.cursor), (0, 6));
     }
 
     #[test]

@@ -119,21 +119,24 @@ impl Manager {
         self.scratch_access_ids.clear();
         self.scratch_access_pos.clear();
         let rec = self.records.current(i, self.generation);
+        let mut accessed = false;
         for (k, key) in keys.chunks_exact(kl).enumerate().take(n) {
             let (h, id) = (self.scratch_hash[k], self.scratch_ids[k]);
             let p = positions.get(k).copied().unwrap_or(NO_POS);
             let seen = rec.find(h, key);
             let (j, new) = rec.observe(seen, h, key, id, p);
-            if new {
+            // Every loaded key is stored.
+            if new && p != NO_POS {
                 self.scratch_access_ids.push(id);
                 self.scratch_access_pos.push(p);
             }
+            accessed |= new;
             let f = &mut rec.entries[j as usize].flags;
             if *f & super::record::INSERTED == 0 {
                 *f |= REUSED;
             }
         }
-        if !self.scratch_access_ids.is_empty() {
+        if accessed {
             let rank = &mut rec.rank;
             self.policy.on_request_access(
                 &self.scratch_access_ids,

@@ -165,6 +165,7 @@ impl Manager {
         }
         self.next_epoch();
         let (epoch, num_slots) = (self.epoch, self.cfg.num_slots);
+        let want_misses = self.policy.observes_store_misses();
         let rec = self.records.current(i, self.generation);
         let offer = rec.begin_offer();
         let (new, entries, misses, filtered) = (
@@ -190,6 +191,7 @@ impl Manager {
             &mut self.slots,
             &self.tracker,
         );
+        let mut accessed = false;
         for (k, key) in keys.chunks_exact(kl).enumerate() {
             let (h, id) = (hashes[k], ids[k]);
             let present = (id as usize) < num_slots;
@@ -212,17 +214,18 @@ impl Manager {
                     filtered.push(k as u32);
                     continue;
                 }
-                if flags.is_none_or(|(_, f)| f & STORE_MISS == 0) {
+                if want_misses && flags.is_none_or(|(_, f)| f & STORE_MISS == 0) {
                     misses.push(id);
                 }
                 seen
             };
             let p = positions.get(k).copied().unwrap_or(NO_POS);
             let (j, is_new) = rec.observe(seen, h, key, id, p);
-            if is_new {
+            if is_new && present && p != NO_POS {
                 access_ids.push(id);
                 access_pos.push(p);
             }
+            accessed |= is_new;
             let e = &mut rec.entries[j as usize];
             if present {
                 if e.flags & INSERTED == 0 {
@@ -238,7 +241,7 @@ impl Manager {
         if !self.scratch_misses.is_empty() {
             self.policy.on_store_miss(&self.scratch_misses);
         }
-        if !self.scratch_access_ids.is_empty() {
+        if accessed {
             self.policy.on_request_access(
                 &self.scratch_access_ids,
                 &self.scratch_access_pos,
