@@ -91,7 +91,7 @@ impl RankedLruPolicy {
 
     /// Takes linked node `s` out of the list; if it was among an anchor's keys, counts it as
     /// left unless it stays in `staying` (the anchor it moves within).
-    #[inline]
+    #[inline(always)]
     fn take_out(&mut self, s: u32, staying: u32) {
         let a = self.links.data(s).anchor;
         if a != NO_ID && a != staying {
@@ -165,7 +165,7 @@ impl RankedLruPolicy {
     }
 
     /// [`Self::place`] of a slot in no list (a key being stored).
-    #[inline]
+    #[inline(always)]
     fn place_unlinked(&mut self, s: u32, a: u32, minor: u64, keys: &KeyTable) {
         debug_assert!(!self.links.is_linked(s), "slot {s} is linked");
         let i = self.anchor_index(a);

@@ -310,7 +310,7 @@ impl Manager {
 
     /// Hashes the resolution's keys up to the `n`-th, prefetching the index lines of each new
     /// hash with `prefetch`.
-    #[inline]
+    #[inline(always)]
     fn hash_to(&mut self, n: usize, prefetch: bool) {
         let (kl, from) = (self.cfg.key_len, self.scratch_hash.len());
         if from >= n {

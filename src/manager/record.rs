@@ -108,8 +108,10 @@ fn filter_bit(hash: u64) -> (usize, u64) {
 /// The group of `key`: its last four bytes, big-endian.
 #[inline]
 fn group_of(key: &[u8]) -> u32 {
-    let g = &key[key.len().saturating_sub(4)..];
-    g.iter().fold(0u32, |acc, &b| acc << 8 | u32::from(b))
+    match key.last_chunk::<4>() {
+        Some(g) => u32::from_be_bytes(*g),
+        None => key.iter().fold(0u32, |acc, &b| acc << 8 | u32::from(b)),
+    }
 }
 
 impl Record {

@@ -162,29 +162,35 @@ impl Manager {
         if shortcut && rec.ascending && self.policy.commit_in_anchor_order(rec.rank, n) {
             return;
         }
-        self.scratch_order.clear();
-        self.scratch_order.extend(0..n as u32);
+        // Keys recorded with ascending positions are in commit order already.
         let e = &rec.entries;
-        let group = |j: &u32| e[*j as usize].group;
-        if !self.scratch_order.is_sorted_by_key(group) {
-            self.scratch_order.sort_by_key(group);
-        }
-        let position = |j: &u32| e[*j as usize].position;
-        if rec.unpositioned == 0 {
-            if !self.scratch_order.is_sorted_by_key(position) {
-                self.scratch_order.sort_by_key(position);
+        let in_order = if rec.ascending { n } else { 0 };
+        self.scratch_order.clear();
+        if !rec.ascending {
+            let order = &mut self.scratch_order;
+            order.extend(0..n as u32);
+            let group = |j: &u32| e[*j as usize].group;
+            if !order.is_sorted_by_key(group) {
+                order.sort_by_key(group);
             }
-        } else {
-            // vLLM 0.33 sorts each group whose keys all have a position.
-            for run in self.scratch_order.chunk_by_mut(|a, b| group(a) == group(b)) {
-                if run.iter().all(|&j| e[j as usize].position != NO_POS) {
-                    run.sort_by_key(position);
+            let position = |j: &u32| e[*j as usize].position;
+            if rec.unpositioned == 0 {
+                if !order.is_sorted_by_key(position) {
+                    order.sort_by_key(position);
+                }
+            } else {
+                // vLLM 0.33 sorts each group whose keys all have a position.
+                for run in order.chunk_by_mut(|a, b| group(a) == group(b)) {
+                    if run.iter().all(|&j| e[j as usize].position != NO_POS) {
+                        run.sort_by_key(position);
+                    }
                 }
             }
         }
         self.scratch_access_ids.clear();
         self.scratch_flags.clear();
-        for &j in &self.scratch_order {
+        let order = (0..in_order as u32).chain(self.scratch_order.iter().copied());
+        for j in order {
             let (key, entry) = (rec.key(j as usize, kl), &e[j as usize]);
             let kept = self
                 .slots

@@ -8,7 +8,7 @@
 //! Preemption flushes the request's jobs in the same step, which needs no fence; a load not yet
 //! in a step is withdrawn instead (it never ships).
 
-use super::{Direction, Error, JobReport, Result, Scheduler, invalid, recycle};
+use super::{Direction, Error, JobReport, Request, Result, Scheduler, invalid, recycle};
 use crate::manager::RequestId;
 
 impl Scheduler {
@@ -126,6 +126,11 @@ impl Scheduler {
             return;
         };
         self.commit_record(r.record.take());
+        self.keep_spare(r);
+    }
+
+    /// Keeps a dropped request's buffers for a later request when they are small.
+    pub(super) fn keep_spare(&mut self, r: Request) {
         let bytes = r.keys.capacity() + 4 * r.block_ids.capacity() + 8 * r.jobs.capacity();
         if self.spare_requests.len() < 1024 && bytes <= 16 << 10 {
             self.spare_requests.push(r);

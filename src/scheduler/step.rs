@@ -5,6 +5,7 @@ use super::{
     Direction, Error, Job, Result, ScheduledRequest, Scheduler, SchedulerConfig, Step, invalid,
     take_cleared, take_filled,
 };
+use hashbrown::hash_map::Entry;
 
 impl Scheduler {
     /// Builds the step plan into `step`: the load jobs made since the last step, the store jobs
@@ -153,19 +154,24 @@ impl Scheduler {
     fn finish_requests(&mut self, step: &mut Step) {
         let finishing = std::mem::take(&mut self.finishing);
         for &id in &finishing {
-            let n = self.final_chunks(id);
-            if self.build_store_job(id, n, step) {
+            if let Some(n) = self.final_chunks(id)
+                && self.build_store_job(id, n, step)
+            {
                 // Its blocks are given back: the new job enters the reuse fence at once.
                 self.release_blocks(id);
             }
         }
         for &id in &finishing {
-            let r = self.requests.get_mut(&id).expect("finishing");
+            let Entry::Occupied(mut at) = self.requests.entry(id) else {
+                unreachable!("request {id} is finishing")
+            };
+            let r = at.get_mut();
             r.final_pending = false;
-            let (record, done) = (r.record.take(), r.jobs.is_empty());
+            let record = r.record.take();
+            let done = r.jobs.is_empty().then(|| at.remove());
             self.commit_record(record);
-            if done {
-                self.drop_request(id);
+            if let Some(r) = done {
+                self.keep_spare(r);
             }
         }
         self.finishing = finishing;
@@ -174,19 +180,21 @@ impl Scheduler {
 
     /// The chunks a finished request may still offload (vLLM 0.33 `_build_store_jobs` of a
     /// finished request): those whose KV was computed by its last step, with the usual limits,
-    /// up to the first chunk on a GPU block given to another request since the last step.
-    fn final_chunks(&self, id: u64) -> u64 {
+    /// up to the first chunk on a GPU block given to another request since the last step;
+    /// `None` when that adds no chunk to those offered already.
+    fn final_chunks(&self, id: u64) -> Option<u64> {
         let r = &self.requests[&id];
         let f = self.cfg.block_size_factor as usize;
         let n = limit_chunks(&self.cfg, r, r.computed.min(r.num_tokens));
         let n = n.min((r.block_ids.len() / f) as u64);
-        (r.next_stored_chunk..n)
+        let n = (r.next_stored_chunk..n)
             .find(|&c| {
                 r.block_ids[c as usize * f..(c as usize + 1) * f]
                     .iter()
                     .any(|b| self.scratch_allocated.binary_search(b).is_ok())
             })
-            .unwrap_or(n)
+            .unwrap_or(n);
+        (n > r.next_stored_chunk).then_some(n)
     }
 
     /// The store job of one request (vLLM `_get_reqs_to_store` / `_build_store_jobs`, one
