@@ -110,8 +110,9 @@ for line in open(sys.argv[1]):
 PY
   rm -f "$listing"
   while read -r kind name exe; do
-    # tests/python.rs runs cargo itself: useless where there is none.
-    if [ "$kind/$name" = "test/python" ]; then continue; fi
+    # tests/python.rs and tests/install.rs run cargo (the latter through CMake): useless where
+    # there is none.
+    case "$kind/$name" in test/python | test/install) continue ;; esac
     cp "$exe" "$BUNDLE/$kind-$name"
     strip --strip-debug "$BUNDLE/$kind-$name" 2>/dev/null || true
   done <"$BUNDLE/MANIFEST"
@@ -158,10 +159,15 @@ if [ "$build_root" != "$ROOT" ]; then
   fi
 fi
 export CARGO_MANIFEST_DIR=$ROOT
+# The kvo-replay tests run the binary from its compile-time path (CARGO_BIN_EXE_kvo-replay).
+if [ -x "$BUNDLE/bin-kvo-replay" ] && [ ! -e target/release/kvo-replay ]; then
+  mkdir -p target/release && cp "$BUNDLE/bin-kvo-replay" target/release/kvo-replay
+fi
 bench_exe=""
 while read -r kind name _; do
   exe="$BUNDLE/$kind-$name"
   [ -x "$exe" ] || continue
+  case "$kind/$name" in test/python | test/install) log "skipped $kind-$name: it needs cargo"; continue ;; esac
   case "$kind" in
     lib | bin | test) step "$kind-$name" 120 "$exe" ;;
     bench) if [ "$name" = transfer ]; then bench_exe=$exe; fi ;;
