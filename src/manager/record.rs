@@ -37,7 +37,7 @@ pub(super) struct Entry {
 }
 
 /// Bits of a record's filter of key hashes.
-const FILTER_BITS: usize = 4096;
+const FILTER_BITS: usize = 1024;
 
 /// Keys past the hash index that a find compares one by one; with more, it extends the index.
 const SCAN_MAX: usize = 64;
