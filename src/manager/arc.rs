@@ -386,10 +386,10 @@ impl EvictionPolicy for ArcPolicy {
         }
     }
 
-    /// Ghost adaptation for each key in reverse order (a ghost adapts the target and becomes
-    /// the most recent of its list).
     const OBSERVES_STORE_MISSES: bool = true;
 
+    /// Ghost adaptation for each key in reverse order (a ghost adapts the target and becomes
+    /// the most recent of its list).
     fn on_store_miss(&mut self, ids: &[u32]) {
         for &id in ids.iter().rev() {
             self.touch_ghost(id);
