@@ -162,13 +162,12 @@ impl Manager {
         if shortcut && rec.ascending && self.policy.commit_in_anchor_order(rec.rank, n) {
             return;
         }
-        // Keys recorded with ascending positions are in commit order already.
-        let e = &rec.entries;
-        let in_order = if rec.ascending { n } else { 0 };
         self.scratch_order.clear();
+        self.scratch_order.extend(0..n as u32);
+        let e = &rec.entries;
+        // Keys recorded with ascending positions are in commit order already.
         if !rec.ascending {
             let order = &mut self.scratch_order;
-            order.extend(0..n as u32);
             let group = |j: &u32| e[*j as usize].group;
             if !order.is_sorted_by_key(group) {
                 order.sort_by_key(group);
@@ -189,8 +188,7 @@ impl Manager {
         }
         self.scratch_access_ids.clear();
         self.scratch_flags.clear();
-        let order = (0..in_order as u32).chain(self.scratch_order.iter().copied());
-        for j in order {
+        for &j in &self.scratch_order {
             let (key, entry) = (rec.key(j as usize, kl), &e[j as usize]);
             let kept = self
                 .slots
