@@ -23,20 +23,20 @@ impl Default for List {
 /// The `prev` of an id that is in no list.
 const OFF: u32 = u32::MAX - 1;
 
-/// One id's links and the owner's data `T` about it, side by side (one cache line).
+/// One id's links.
 #[derive(Debug, Clone, Copy)]
-struct Node<T> {
+struct Node {
     prev: u32,
     next: u32,
-    data: T,
 }
 
-/// `[prev, next]` of every id, with a payload `T` per id kept beside them (so that an owner
-/// reading both touches one cache line). An id belongs to at most one list at a time; the
-/// owner tracks which.
+/// `[prev, next]` of every id, and the owner's payload `T` per id in a vector of its own (a
+/// walk along a list reads only the links, eight bytes per id). An id belongs to at most one
+/// list at a time; the owner tracks which.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Links<T = ()> {
-    nodes: Vec<Node<T>>,
+    nodes: Vec<Node>,
+    data: Vec<T>,
 }
 
 impl<T: Copy + Default> Links<T> {
@@ -44,15 +44,15 @@ impl<T: Copy + Default> Links<T> {
     pub fn with_capacity(n: usize) -> crate::Result<Self> {
         Ok(Self {
             nodes: super::filled(n, Self::unlinked(), "list links")?,
+            data: super::filled(n, T::default(), "list data")?,
         })
     }
 
     /// A node in no list, with default data.
-    fn unlinked() -> Node<T> {
+    fn unlinked() -> Node {
         Node {
             prev: OFF,
             next: NO_ID,
-            data: T::default(),
         }
     }
 
@@ -60,6 +60,7 @@ impl<T: Copy + Default> Links<T> {
     pub fn grow_to(&mut self, n: usize) {
         if self.nodes.len() < n {
             self.nodes.resize(n, Self::unlinked());
+            self.data.resize(n, T::default());
         }
     }
 
@@ -71,12 +72,12 @@ impl<T: Copy + Default> Links<T> {
     /// The data of `id`.
     #[inline]
     pub fn data(&self, id: u32) -> &T {
-        &self.nodes[id as usize].data
+        &self.data[id as usize]
     }
 
     #[inline]
     pub fn data_mut(&mut self, id: u32) -> &mut T {
-        &mut self.nodes[id as usize].data
+        &mut self.data[id as usize]
     }
 
     #[inline]
@@ -165,6 +166,7 @@ impl<T: Copy + Default> Links<T> {
     #[inline]
     pub fn reset(&mut self, id: u32) {
         self.nodes[id as usize] = Self::unlinked();
+        self.data[id as usize] = T::default();
     }
 
     /// Takes every id of `list` out of it.

@@ -18,31 +18,18 @@ pub(super) const REUSED: u8 = 2;
 /// Reported to the policy's `on_store_miss` for this request.
 pub(super) const STORE_MISS: u8 = 4;
 
-/// What a record holds of one key besides its bytes.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Entry {
-    pub hash: u64,
-    /// [`NO_POS`]: none.
-    pub position: u64,
-    /// The manager id the key had when last seen (a hint: the commit takes a slot whose key is
-    /// still this one without a lookup, and looks up the others).
-    pub id: u32,
-    /// The key's group: its last four bytes, big-endian (the commit orders by group first).
-    pub group: u32,
-    /// [`INSERTED`], [`REUSED`], [`STORE_MISS`].
-    pub flags: u8,
-    /// The record's store offer ([`Record::begin_offer`]) that last made the key a candidate;
-    /// 0: none.
-    pub offer: u32,
-}
-
 /// Bits of a record's filter of key hashes.
-const FILTER_BITS: usize = 1024;
+const FILTER_BITS: usize = 4096;
+
+/// Records of at most this many keys clear their filter word by word at a reset.
+const FILTER_CLEAR_KEYS: usize = 32;
 
 /// Keys past the hash index that a find compares one by one; with more, it extends the index.
-const SCAN_MAX: usize = 64;
+const SCAN_MAX: usize = 1024;
 
-/// One request's record. Its keys are indices `0..len()` in first-observation order.
+/// One request's record. Its keys are indices `0..len()` in first-observation order; what
+/// it holds of each lies in one vector per field, so that a run of keys is recorded with one
+/// copy per field ([`Self::append`]).
 ///
 /// A find tries first the key after the last one found (a request observes its keys again in
 /// the order it recorded them: the store after a load of its prefix, the chunks offered again
@@ -60,7 +47,16 @@ pub(super) struct Record {
     pub generation: u64,
     /// The keys, back to back.
     keys: Vec<u8>,
-    pub entries: Vec<Entry>,
+    hashes: Vec<u64>,
+    /// Per key: its position ([`NO_POS`]: none).
+    pub positions: Vec<u64>,
+    /// Per key: the manager id it had when last seen (a hint: the commit takes a slot whose
+    /// key is still this one without a lookup, and looks up the others).
+    pub ids: Vec<u32>,
+    /// Per key: [`INSERTED`], [`REUSED`], [`STORE_MISS`].
+    pub flags: Vec<u8>,
+    /// Per key: the store offer ([`Self::begin_offer`]) that last made it a candidate; 0: none.
+    pub offer_of: Vec<u32>,
     /// Keys without a position.
     pub unpositioned: usize,
     /// Whether every key was recorded with a position above the one before (so positions are
@@ -70,11 +66,14 @@ pub(super) struct Record {
     indexed: usize,
     /// The key after the last one found (the first guess of a find).
     cursor: usize,
-    /// One bit per recorded key's hash (bit `hash % FILTER_BITS`).
+    /// One bit per recorded key's hash (bit `hash % FILTER_BITS`), and per key
+    /// [`Self::claim`]ed.
     filter: [u64; FILTER_BITS / 64],
+    /// Whether a bit of the filter may belong to no recorded key ([`Self::leave_out`]).
+    loose: bool,
     /// The policy's request rank (0.33 LRU: an anchor id), [`NO_ID`] until taken.
     pub rank: u32,
-    /// The last store offer's number (entries' [`Entry::offer`]).
+    /// The last store offer's number.
     offers: u32,
 }
 
@@ -85,17 +84,33 @@ impl Default for Record {
             active: false,
             generation: 0,
             keys: Vec::new(),
-            entries: Vec::new(),
+            hashes: Vec::new(),
+            positions: Vec::new(),
+            ids: Vec::new(),
+            flags: Vec::new(),
+            offer_of: Vec::new(),
             unpositioned: 0,
             ascending: true,
             index: HashTable::new(),
             indexed: 0,
             cursor: 0,
             filter: [0; FILTER_BITS / 64],
+            loose: false,
             rank: NO_ID,
             offers: 0,
         }
     }
+}
+
+/// The keys of a call, as a record appends a run of them: the call's `keys` (`key_len` bytes
+/// each) with their hashes, manager ids and positions (empty: none).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Run<'k> {
+    pub keys: &'k [u8],
+    pub key_len: usize,
+    pub hashes: &'k [u64],
+    pub ids: &'k [u32],
+    pub positions: &'k [u64],
 }
 
 /// The filter word and bit of `hash`.
@@ -105,9 +120,23 @@ fn filter_bit(hash: u64) -> (usize, u64) {
     (b / 64, 1 << (b % 64))
 }
 
+/// The first `i` with `hashes[i] == hash` and `is_key(i)`: eight hashes compared at a time.
+#[inline]
+fn scan(hashes: &[u64], hash: u64, is_key: impl Fn(usize) -> bool) -> Option<usize> {
+    for (c, chunk) in hashes.chunks(8).enumerate() {
+        if chunk.iter().fold(false, |any, &h| any | (h == hash)) {
+            let at = chunk.iter().enumerate().filter(|&(_, &h)| h == hash);
+            if let Some((i, _)) = at.map(|(i, h)| (c * 8 + i, h)).find(|&(i, _)| is_key(i)) {
+                return Some(i);
+            }
+        }
+    }
+    None
+}
+
 /// The group of `key`: its last four bytes, big-endian.
 #[inline]
-fn group_of(key: &[u8]) -> u32 {
+pub(super) fn group_of(key: &[u8]) -> u32 {
     match key.last_chunk::<4>() {
         Some(g) => u32::from_be_bytes(*g),
         None => key.iter().fold(0u32, |acc, &b| acc << 8 | u32::from(b)),
@@ -117,7 +146,7 @@ fn group_of(key: &[u8]) -> u32 {
 impl Record {
     /// Recorded keys.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.hashes.len()
     }
 
     /// The `i`-th recorded key.
@@ -125,14 +154,16 @@ impl Record {
         &self.keys[i * key_len..(i + 1) * key_len]
     }
 
+    /// The hash of the `i`-th recorded key.
+    pub fn hash(&self, i: usize) -> u64 {
+        self.hashes[i]
+    }
+
     /// The index of `key` (hash `hash`), if recorded.
     #[inline(always)]
     pub fn find(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
         let c = self.cursor;
-        if let Some(e) = self.entries.get(c)
-            && e.hash == hash
-            && key_eq(self.key(c, key.len()), key)
-        {
+        if self.hashes.get(c) == Some(&hash) && key_eq(self.key(c, key.len()), key) {
             self.cursor = c + 1;
             return Some(c as u32);
         }
@@ -143,53 +174,125 @@ impl Record {
         self.find_past_filter(hash, key)
     }
 
+    /// Sets the filter bit of `hash`; true if it was clear: then no recorded key, and no key
+    /// claimed before, has this hash (a caller recording keys in runs tells a new key by it).
+    #[inline(always)]
+    pub fn claim(&mut self, hash: u64) -> bool {
+        let (w, bit) = filter_bit(hash);
+        let clear = self.filter[w] & bit == 0;
+        self.filter[w] |= bit;
+        clear
+    }
+
+    /// A key [`Self::claim`]ed is not going to be recorded.
+    pub fn leave_out(&mut self) {
+        self.loose = true;
+    }
+
     /// [`Self::find`] past the guess and the filter: through the index and the keys after it.
     #[inline(never)]
     fn find_past_filter(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
         let kl = key.len();
-        let entries = &self.entries;
-        if entries.len() - self.indexed > SCAN_MAX {
-            for i in self.indexed..entries.len() {
+        let (n, hashes) = (self.len(), &self.hashes);
+        if n - self.indexed > SCAN_MAX {
+            for i in self.indexed..n {
                 self.index
-                    .insert_unique(entries[i].hash, i as u32, |&j| entries[j as usize].hash);
+                    .insert_unique(hashes[i], i as u32, |&j| hashes[j as usize]);
             }
-            self.indexed = entries.len();
+            self.indexed = n;
         }
         let keys = &self.keys;
         let key_of = |i: usize| &keys[i * kl..(i + 1) * kl];
-        let found = self
-            .index
-            .find(hash, |&i| key_eq(key_of(i as usize), key))
-            .map(|&i| i as usize)
-            .or_else(|| {
-                (self.indexed..entries.len())
-                    .find(|&i| entries[i].hash == hash && key_eq(key_of(i), key))
-            })?;
+        let found = match self.index.find(hash, |&i| key_eq(key_of(i as usize), key)) {
+            Some(&i) => i as usize,
+            None => scan(&hashes[self.indexed..n], hash, |i| {
+                key_eq(key_of(self.indexed + i), key)
+            })
+            .map(|i| self.indexed + i)?,
+        };
         self.cursor = found + 1;
         Some(found as u32)
     }
 
-    /// Records `key` (not recorded yet, manager id `id`) with `position`; returns its index.
+    /// Records `key` (not recorded yet, manager id `id`) with `position` and `flags`; returns
+    /// its index.
     #[inline(always)]
-    fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64) -> u32 {
-        let i = self.entries.len() as u32;
-        let above = self.entries.last().is_none_or(|e| e.position < position);
+    pub fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64, flags: u8) -> u32 {
+        let i = self.len() as u32;
+        let above = self.positions.last().is_none_or(|&p| p < position);
         self.ascending &= position != NO_POS && above;
         append_key(&mut self.keys, key);
-        self.entries.push(Entry {
-            hash,
-            position,
-            id,
-            group: group_of(key),
-            flags: 0,
-            offer: 0,
-        });
+        self.hashes.push(hash);
+        self.positions.push(position);
+        self.ids.push(id);
+        self.flags.push(flags);
+        self.offer_of.push(0);
         if position == NO_POS {
             self.unpositioned += 1;
         }
         let (w, bit) = filter_bit(hash);
         self.filter[w] |= bit;
         i
+    }
+
+    /// Records the keys `indices` (ascending) of `run` (each [`Self::claim`]ed, none recorded
+    /// yet, none twice) in order, each with `flags` and store offer `offer`; returns the index
+    /// of the first.
+    pub fn append(&mut self, run: Run<'_>, indices: &[u32], flags: u8, offer: u32) -> u32 {
+        let (base, m) = (self.len(), indices.len());
+        let (Some(&a), Some(&b)) = (indices.first(), indices.last()) else {
+            return base as u32;
+        };
+        let (a, b, kl) = (a as usize, b as usize + 1, run.key_len);
+        if b - a == m {
+            // One contiguous run of the call's keys (the usual case): one copy per field.
+            self.keys.extend_from_slice(&run.keys[a * kl..b * kl]);
+            self.hashes.extend_from_slice(&run.hashes[a..b]);
+            self.ids.extend_from_slice(&run.ids[a..b]);
+            match run.positions.get(a..b) {
+                Some(p) => self.positions.extend_from_slice(p),
+                None => self.positions.resize(base + m, NO_POS),
+            }
+        } else {
+            for &i in indices {
+                let i = i as usize;
+                append_key(&mut self.keys, &run.keys[i * kl..(i + 1) * kl]);
+                self.hashes.push(run.hashes[i]);
+                self.ids.push(run.ids[i]);
+                self.positions
+                    .push(run.positions.get(i).copied().unwrap_or(NO_POS));
+            }
+        }
+        self.flags.resize(base + m, flags);
+        self.offer_of.resize(base + m, offer);
+        let new = &self.positions[base - base.min(1)..];
+        debug_assert!(run.positions.is_empty() || !new[base.min(1)..].contains(&NO_POS));
+        if run.positions.is_empty() {
+            self.unpositioned += m;
+            self.ascending = false;
+        } else if self.ascending {
+            // `new` starts with the key before the run, if any.
+            self.ascending = new.windows(2).all(|w| w[0] < w[1]);
+        }
+        base as u32
+    }
+
+    /// [`Self::append`] of the keys `pending[*done..]`, then `*done = pending.len()`; returns
+    /// the index of the first and whether there was any.
+    #[inline(always)]
+    pub fn append_pending(
+        &mut self,
+        run: Run<'_>,
+        pending: &[u32],
+        done: &mut usize,
+        flags: u8,
+        offer: u32,
+    ) -> (u32, bool) {
+        let from = std::mem::replace(done, pending.len());
+        if from == pending.len() {
+            return (self.len() as u32, false);
+        }
+        (self.append(run, &pending[from..], flags, offer), true)
     }
 
     /// Records an observation of `key` (hash `hash`, manager id `id`) at `position`; `seen` is
@@ -206,23 +309,23 @@ impl Record {
         position: u64,
     ) -> (u32, bool) {
         let Some(i) = seen else {
-            return (self.push(hash, key, id, position), true);
+            return (self.push(hash, key, id, position, 0), true);
         };
-        let e = &mut self.entries[i as usize];
-        if e.position == NO_POS && position != NO_POS {
-            e.position = position;
+        let p = &mut self.positions[i as usize];
+        if *p == NO_POS && position != NO_POS {
+            *p = position;
             self.unpositioned -= 1;
         }
-        e.id = id;
+        self.ids[i as usize] = id;
         (i, false)
     }
 
-    /// Starts a store offer: returns its number, distinct from every [`Entry::offer`] of the
+    /// Starts a store offer: returns its number, distinct from every [`Self::offer_of`] of the
     /// record.
     pub fn begin_offer(&mut self) -> u32 {
         self.offers = self.offers.wrapping_add(1);
         if self.offers == 0 {
-            self.entries.iter_mut().for_each(|e| e.offer = 0);
+            self.offer_of.fill(0);
             self.offers = 1;
         }
         self.offers
@@ -231,11 +334,20 @@ impl Record {
     /// Empties the record (keeping its buffers) for `generation`.
     fn reset(&mut self, generation: u64) {
         self.generation = generation;
-        self.keys.clear();
-        if !self.entries.is_empty() {
+        if self.loose || self.len() > FILTER_CLEAR_KEYS {
             self.filter = [0; FILTER_BITS / 64];
+        } else {
+            for &h in &self.hashes {
+                self.filter[filter_bit(h).0] = 0;
+            }
         }
-        self.entries.clear();
+        self.loose = false;
+        self.keys.clear();
+        self.hashes.clear();
+        self.positions.clear();
+        self.ids.clear();
+        self.flags.clear();
+        self.offer_of.clear();
         self.unpositioned = 0;
         self.ascending = true;
         self.index.clear();
@@ -312,23 +424,32 @@ impl Records {
     pub fn check(&self, key_len: usize, table: &KeyTable) -> std::result::Result<(), String> {
         for (i, r) in self.records.iter().enumerate().filter(|(_, r)| r.active) {
             let n = r.len();
+            let lengths = [
+                r.positions.len(),
+                r.ids.len(),
+                r.flags.len(),
+                r.offer_of.len(),
+            ];
+            let positions = &r.positions;
             if r.keys.len() != n * key_len
+                || lengths.iter().any(|&l| l != n)
                 || r.indexed > n
                 || r.cursor > n
                 || r.index.len() != r.indexed
-                || r.entries.iter().filter(|e| e.position == NO_POS).count() != r.unpositioned
+                || positions.iter().filter(|&&p| p == NO_POS).count() != r.unpositioned
+                || r.ascending && !(r.unpositioned == 0 && positions.is_sorted_by(|a, b| a < b))
             {
                 return Err(format!("request record {i}: inconsistent lengths"));
             }
-            for (j, e) in r.entries.iter().enumerate() {
+            for (j, &h) in r.hashes.iter().enumerate() {
                 let key = r.key(j, key_len);
-                let (w, bit) = filter_bit(e.hash);
-                if table.hash(key) != e.hash || e.group != group_of(key) || r.filter[w] & bit == 0 {
+                let (w, bit) = filter_bit(h);
+                if table.hash(key) != h || r.filter[w] & bit == 0 {
                     return Err(format!("request record {i}: key {j} is not filtered"));
                 }
                 let found = r
                     .index
-                    .find(e.hash, |&x| key_eq(r.key(x as usize, key_len), key));
+                    .find(h, |&x| key_eq(r.key(x as usize, key_len), key));
                 if (found == Some(&(j as u32))) != (j < r.indexed) {
                     return Err(format!("request record {i}: key {j} is not indexed"));
                 }
@@ -413,16 +534,13 @@ mod tests {
         assert_eq!(r.unpositioned, 1);
         let seen = r.find(hash(1), &key(1));
         assert_eq!(r.observe(seen, hash(1), &key(1), 6, 32), (0, false));
-        assert_eq!((r.entries[0].position, r.entries[0].id), (32, 6));
+        assert_eq!((r.positions[0], r.ids[0]), (32, 6));
         assert_eq!(r.unpositioned, 0);
         let seen = r.find(hash(1), &key(1));
         r.observe(seen, hash(1), &key(1), 7, 48);
-        assert_eq!(
-            (r.entries[0].position, r.entries[0].id, r.len()),
-            (32, 7, 1)
-        );
+        assert_eq!((r.positions[0], r.ids[0], r.len()), (32, 7, 1));
         // The group is the key's last four bytes.
-        assert_eq!(r.entries[0].group, 1);
+        assert_eq!(group_of(r.key(0, 8)), 1);
         r.reset(1);
         assert_eq!((r.len(), r.indexed, r.find(hash(1), &key(1))), (0, 0, None));
     }

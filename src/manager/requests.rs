@@ -8,7 +8,7 @@
 //! changes nothing (vLLM 0.24 `on_request_finished` is a no-op for the CPU manager).
 
 use super::keys::key_eq;
-use super::record::{NO_POS, REUSED};
+use super::record::{INSERTED, NO_POS, REUSED, Run, group_of};
 use super::{Manager, NO_ID, RequestId, StorePlan};
 use crate::error::{Error, Result, invalid};
 
@@ -113,29 +113,50 @@ impl Manager {
         )
     }
 
-    /// Records the `n` resolved keys of a load by record `i` as observed and reused.
+    /// Records the `n` resolved keys of a load by record `i` as observed and reused. The keys
+    /// new to the record, `scratch_new[recorded..]`, are recorded as one run before any other
+    /// key is recorded or looked up past the filter, and after the loop.
     fn record_loads(&mut self, i: usize, keys: &[u8], positions: &[u64], n: usize) {
         let kl = self.cfg.key_len;
-        self.scratch_access_ids.clear();
-        self.scratch_access_pos.clear();
+        let (access_ids, access_pos) = (&mut self.scratch_access_ids, &mut self.scratch_access_pos);
+        let new = &mut self.scratch_new;
+        access_ids.clear();
+        access_pos.clear();
+        new.clear();
         let rec = self.records.current(i, self.generation);
-        let mut accessed = false;
+        let (hashes, ids) = (&self.scratch_hash[..n], &self.scratch_ids[..n]);
+        let run = Run {
+            keys,
+            key_len: kl,
+            hashes,
+            ids,
+            positions,
+        };
+        let (mut accessed, mut recorded) = (false, 0);
         for (k, key) in keys.chunks_exact(kl).enumerate().take(n) {
-            let (h, id) = (self.scratch_hash[k], self.scratch_ids[k]);
+            let (h, id) = (hashes[k], ids[k]);
             let p = positions.get(k).copied().unwrap_or(NO_POS);
-            let seen = rec.find(h, key);
-            let (j, new) = rec.observe(seen, h, key, id, p);
             // Every loaded key is stored.
-            if new && p != NO_POS {
-                self.scratch_access_ids.push(id);
-                self.scratch_access_pos.push(p);
+            let new_key = if rec.claim(h) {
+                new.push(k as u32);
+                true
+            } else {
+                accessed |= rec.append_pending(run, new, &mut recorded, REUSED, 0).1;
+                let seen = rec.find(h, key);
+                let (j, new_key) = rec.observe(seen, h, key, id, p);
+                let f = &mut rec.flags[j as usize];
+                if *f & INSERTED == 0 {
+                    *f |= REUSED;
+                }
+                new_key
+            };
+            if new_key && p != NO_POS {
+                access_ids.push(id);
+                access_pos.push(p);
             }
-            accessed |= new;
-            let f = &mut rec.entries[j as usize].flags;
-            if *f & super::record::INSERTED == 0 {
-                *f |= REUSED;
-            }
+            accessed |= new_key;
         }
+        rec.append_pending(run, new, &mut recorded, REUSED, 0);
         if accessed {
             let rank = &mut rec.rank;
             self.policy.on_request_access(
@@ -164,15 +185,14 @@ impl Manager {
         }
         self.scratch_order.clear();
         self.scratch_order.extend(0..n as u32);
-        let e = &rec.entries;
         // Keys recorded with ascending positions are in commit order already.
         if !rec.ascending {
             let order = &mut self.scratch_order;
-            let group = |j: &u32| e[*j as usize].group;
+            let group = |j: &u32| group_of(rec.key(*j as usize, kl));
             if !order.is_sorted_by_key(group) {
                 order.sort_by_key(group);
             }
-            let position = |j: &u32| e[*j as usize].position;
+            let position = |j: &u32| rec.positions[*j as usize];
             if rec.unpositioned == 0 {
                 if !order.is_sorted_by_key(position) {
                     order.sort_by_key(position);
@@ -180,7 +200,7 @@ impl Manager {
             } else {
                 // vLLM 0.33 sorts each group whose keys all have a position.
                 for run in order.chunk_by_mut(|a, b| group(a) == group(b)) {
-                    if run.iter().all(|&j| e[j as usize].position != NO_POS) {
+                    if run.iter().all(|&j| rec.positions[j as usize] != NO_POS) {
                         run.sort_by_key(position);
                     }
                 }
@@ -189,20 +209,20 @@ impl Manager {
         self.scratch_access_ids.clear();
         self.scratch_flags.clear();
         for &j in &self.scratch_order {
-            let (key, entry) = (rec.key(j as usize, kl), &e[j as usize]);
+            let (key, id) = (rec.key(j as usize, kl), rec.ids[j as usize]);
             let kept = self
                 .slots
-                .get(entry.id as usize)
+                .get(id as usize)
                 .is_some_and(|st| st.entry != NO_ID && key_eq(self.keys.key(st.entry), key));
             let id = if kept {
-                entry.id
+                id
             } else {
                 self.keys
-                    .find_hashed(entry.hash, key)
+                    .find_hashed(rec.hash(j as usize), key)
                     .map_or(NO_ID, |e| self.policy.id_of_entry(e))
             };
             self.scratch_access_ids.push(id);
-            self.scratch_flags.push(entry.flags);
+            self.scratch_flags.push(rec.flags[j as usize]);
         }
         self.policy.on_request_finished(
             &self.scratch_access_ids,

@@ -4,7 +4,7 @@
 
 use super::keys::{self, key_eq};
 use super::policy::NewKeys;
-use super::record::{INSERTED, NO_POS, REUSED, STORE_MISS};
+use super::record::{INSERTED, NO_POS, REUSED, Record, Run, STORE_MISS};
 use super::{IN_FLIGHT, Manager, NO_ID, SlotState, StoreCounts, StorePlan};
 use crate::error::{Error, Result, invalid};
 
@@ -191,22 +191,55 @@ impl Manager {
             &mut self.slots,
             &self.tracker,
         );
-        let mut accessed = false;
+        let run = Run {
+            keys,
+            key_len: kl,
+            hashes,
+            ids,
+            positions,
+        };
+        // The candidates new to the record, `new[recorded..]`, are recorded as one run before
+        // any other key is recorded or looked up past the filter, and after the loop.
+        let (mut accessed, mut recorded) = (false, 0);
+        let record_candidates =
+            |rec: &mut Record, new: &[u32], recorded: &mut usize, entries: &mut Vec<u32>| {
+                let (base, any) = rec.append_pending(run, new, recorded, STORE_MISS, offer);
+                if any {
+                    entries.extend(base..rec.len() as u32);
+                }
+                any
+            };
         for (k, key) in keys.chunks_exact(kl).enumerate() {
             let (h, id) = (hashes[k], ids[k]);
             let present = (id as usize) < num_slots;
+            if !present && rec.claim(h) {
+                // Neither recorded nor offered before in this call.
+                if tracker.as_ref().is_some_and(|t| !t.passes(h, key)) {
+                    rec.leave_out();
+                    filtered.push(k as u32);
+                    continue;
+                }
+                if want_misses {
+                    misses.push(id);
+                }
+                new.push(k as u32);
+                continue;
+            }
             let seen = if present {
                 let st = &mut slots[id as usize];
                 st.stamp = epoch;
                 if st.ref_cnt == IN_FLIGHT {
                     continue;
                 }
-                rec.find(h, key)
-            } else {
                 let seen = rec.find(h, key);
-                let flags = seen
-                    .map(|j| rec.entries[j as usize])
-                    .map(|e| (e.offer, e.flags));
+                if seen.is_none() {
+                    accessed |= record_candidates(rec, new, &mut recorded, entries);
+                }
+                seen
+            } else {
+                accessed |= record_candidates(rec, new, &mut recorded, entries);
+                let seen = rec.find(h, key);
+                let flags = seen.map(|j| (rec.offer_of[j as usize], rec.flags[j as usize]));
                 if flags.is_some_and(|(o, _)| o == offer) {
                     continue; // listed before in this offer
                 }
@@ -226,18 +259,20 @@ impl Manager {
                 access_pos.push(p);
             }
             accessed |= is_new;
-            let e = &mut rec.entries[j as usize];
+            let f = &mut rec.flags[j as usize];
             if present {
-                if e.flags & INSERTED == 0 {
-                    e.flags |= REUSED;
+                if *f & INSERTED == 0 {
+                    *f |= REUSED;
                 }
             } else {
-                e.flags |= STORE_MISS;
-                e.offer = offer;
+                *f |= STORE_MISS;
+                rec.offer_of[j as usize] = offer;
                 new.push(k as u32);
                 entries.push(j);
+                recorded = new.len();
             }
         }
+        accessed |= record_candidates(rec, new, &mut recorded, entries);
         if !self.scratch_misses.is_empty() {
             self.policy.on_store_miss(&self.scratch_misses);
         }
@@ -267,9 +302,8 @@ impl Manager {
         let rec = self.records.current(i, self.generation);
         rec.rank = rank;
         for (&j, &slot) in self.scratch_entries.iter().zip(out_slots.iter()) {
-            let e = &mut rec.entries[j as usize];
-            e.flags |= INSERTED;
-            e.id = slot;
+            rec.flags[j as usize] |= INSERTED;
+            rec.ids[j as usize] = slot;
         }
         Ok(counts)
     }
