@@ -18,8 +18,11 @@ pub(super) const REUSED: u8 = 2;
 /// Reported to the policy's `on_store_miss` for this request.
 pub(super) const STORE_MISS: u8 = 4;
 
-/// Bits of a record's filter of key hashes.
-const FILTER_BITS: usize = 4096;
+/// Words (of 64 bits) of a record's filter of key hashes at first; the filter grows fourfold
+/// whenever its keys exceed one in [`FILTER_BITS_PER_KEY`] bits, so that a key not recorded
+/// passes it rarely whatever the record's length.
+const FILTER_MIN_WORDS: usize = 16;
+const FILTER_BITS_PER_KEY: usize = 16;
 
 /// Records of at most this many keys clear their filter word by word at a reset.
 const FILTER_CLEAR_KEYS: usize = 32;
@@ -27,9 +30,23 @@ const FILTER_CLEAR_KEYS: usize = 32;
 /// Keys past the hash index that a find compares one by one; with more, it extends the index.
 const SCAN_MAX: usize = 1024;
 
-/// One request's record. Its keys are indices `0..len()` in first-observation order; what
-/// it holds of each lies in one vector per field, so that a run of keys is recorded with one
-/// copy per field ([`Self::append`]).
+/// What a record holds of one key besides its bytes.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Entry {
+    pub hash: u64,
+    /// [`NO_POS`]: none.
+    pub position: u64,
+    /// The manager id the key had when last seen (a hint: the commit takes a slot whose key is
+    /// still this one without a lookup, and looks up the others).
+    pub id: u32,
+    /// [`INSERTED`], [`REUSED`], [`STORE_MISS`].
+    pub flags: u8,
+    /// The record's store offer ([`Record::begin_offer`]) that last made the key a candidate;
+    /// 0: none.
+    pub offer: u32,
+}
+
+/// One request's record. Its keys are indices `0..len()` in first-observation order.
 ///
 /// A find tries first the key after the last one found (a request observes its keys again in
 /// the order it recorded them: the store after a load of its prefix, the chunks offered again
@@ -47,16 +64,7 @@ pub(super) struct Record {
     pub generation: u64,
     /// The keys, back to back.
     keys: Vec<u8>,
-    hashes: Vec<u64>,
-    /// Per key: its position ([`NO_POS`]: none).
-    pub positions: Vec<u64>,
-    /// Per key: the manager id it had when last seen (a hint: the commit takes a slot whose
-    /// key is still this one without a lookup, and looks up the others).
-    pub ids: Vec<u32>,
-    /// Per key: [`INSERTED`], [`REUSED`], [`STORE_MISS`].
-    pub flags: Vec<u8>,
-    /// Per key: the store offer ([`Self::begin_offer`]) that last made it a candidate; 0: none.
-    pub offer_of: Vec<u32>,
+    pub entries: Vec<Entry>,
     /// Keys without a position.
     pub unpositioned: usize,
     /// Whether every key was recorded with a position above the one before (so positions are
@@ -66,9 +74,10 @@ pub(super) struct Record {
     indexed: usize,
     /// The key after the last one found (the first guess of a find).
     cursor: usize,
-    /// One bit per recorded key's hash (bit `hash % FILTER_BITS`), and per key
-    /// [`Self::claim`]ed.
-    filter: [u64; FILTER_BITS / 64],
+    /// One bit per recorded key's hash (bit `hash % bits`), and per key [`Self::claim`]ed:
+    /// `filter` while `big_filter` is empty, else `big_filter` (a power of two words).
+    filter: [u64; FILTER_MIN_WORDS],
+    big_filter: Vec<u64>,
     /// Whether a bit of the filter may belong to no recorded key ([`Self::leave_out`]).
     loose: bool,
     /// The policy's request rank (0.33 LRU: an anchor id), [`NO_ID`] until taken.
@@ -84,17 +93,14 @@ impl Default for Record {
             active: false,
             generation: 0,
             keys: Vec::new(),
-            hashes: Vec::new(),
-            positions: Vec::new(),
-            ids: Vec::new(),
-            flags: Vec::new(),
-            offer_of: Vec::new(),
+            entries: Vec::new(),
             unpositioned: 0,
             ascending: true,
             index: HashTable::new(),
             indexed: 0,
             cursor: 0,
-            filter: [0; FILTER_BITS / 64],
+            filter: [0; FILTER_MIN_WORDS],
+            big_filter: Vec::new(),
             loose: false,
             rank: NO_ID,
             offers: 0,
@@ -115,18 +121,19 @@ pub(super) struct Run<'k> {
 
 /// The filter word and bit of `hash`.
 #[inline]
-fn filter_bit(hash: u64) -> (usize, u64) {
-    let b = hash as usize % FILTER_BITS;
+fn filter_bit(hash: u64, words: usize) -> (usize, u64) {
+    let b = hash as usize & (words * 64 - 1);
     (b / 64, 1 << (b % 64))
 }
 
-/// The first `i` with `hashes[i] == hash` and `is_key(i)`: eight hashes compared at a time.
+/// The first `i` with `entries[i].hash == hash` and `is_key(i)`: eight hashes compared at a
+/// time.
 #[inline]
-fn scan(hashes: &[u64], hash: u64, is_key: impl Fn(usize) -> bool) -> Option<usize> {
-    for (c, chunk) in hashes.chunks(8).enumerate() {
-        if chunk.iter().fold(false, |any, &h| any | (h == hash)) {
-            let at = chunk.iter().enumerate().filter(|&(_, &h)| h == hash);
-            if let Some((i, _)) = at.map(|(i, h)| (c * 8 + i, h)).find(|&(i, _)| is_key(i)) {
+fn scan(entries: &[Entry], hash: u64, is_key: impl Fn(usize) -> bool) -> Option<usize> {
+    for (c, chunk) in entries.chunks(8).enumerate() {
+        if chunk.iter().fold(false, |any, e| any | (e.hash == hash)) {
+            let mut at = (c * 8..).zip(chunk).filter(|(_, e)| e.hash == hash);
+            if let Some((i, _)) = at.find(|&(i, _)| is_key(i)) {
                 return Some(i);
             }
         }
@@ -146,7 +153,7 @@ pub(super) fn group_of(key: &[u8]) -> u32 {
 impl Record {
     /// Recorded keys.
     pub fn len(&self) -> usize {
-        self.hashes.len()
+        self.entries.len()
     }
 
     /// The `i`-th recorded key.
@@ -154,21 +161,20 @@ impl Record {
         &self.keys[i * key_len..(i + 1) * key_len]
     }
 
-    /// The hash of the `i`-th recorded key.
-    pub fn hash(&self, i: usize) -> u64 {
-        self.hashes[i]
-    }
-
     /// The index of `key` (hash `hash`), if recorded.
     #[inline(always)]
     pub fn find(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
         let c = self.cursor;
-        if self.hashes.get(c) == Some(&hash) && key_eq(self.key(c, key.len()), key) {
+        if let Some(e) = self.entries.get(c)
+            && e.hash == hash
+            && key_eq(self.key(c, key.len()), key)
+        {
             self.cursor = c + 1;
             return Some(c as u32);
         }
-        let (w, bit) = filter_bit(hash);
-        if self.filter[w] & bit == 0 {
+        let f = self.filter_words();
+        let (w, bit) = filter_bit(hash, f.len());
+        if f[w] & bit == 0 {
             return None;
         }
         self.find_past_filter(hash, key)
@@ -178,9 +184,10 @@ impl Record {
     /// claimed before, has this hash (a caller recording keys in runs tells a new key by it).
     #[inline(always)]
     pub fn claim(&mut self, hash: u64) -> bool {
-        let (w, bit) = filter_bit(hash);
-        let clear = self.filter[w] & bit == 0;
-        self.filter[w] |= bit;
+        let f = self.filter_words_mut();
+        let (w, bit) = filter_bit(hash, f.len());
+        let clear = f[w] & bit == 0;
+        f[w] |= bit;
         clear
     }
 
@@ -189,15 +196,31 @@ impl Record {
         self.loose = true;
     }
 
+    #[inline(always)]
+    fn filter_words(&self) -> &[u64] {
+        match self.big_filter.is_empty() {
+            true => &self.filter,
+            false => &self.big_filter,
+        }
+    }
+
+    #[inline(always)]
+    fn filter_words_mut(&mut self) -> &mut [u64] {
+        match self.big_filter.is_empty() {
+            true => &mut self.filter,
+            false => &mut self.big_filter,
+        }
+    }
+
     /// [`Self::find`] past the guess and the filter: through the index and the keys after it.
     #[inline(never)]
     fn find_past_filter(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
         let kl = key.len();
-        let (n, hashes) = (self.len(), &self.hashes);
+        let (n, entries) = (self.len(), &self.entries);
         if n - self.indexed > SCAN_MAX {
             for i in self.indexed..n {
                 self.index
-                    .insert_unique(hashes[i], i as u32, |&j| hashes[j as usize]);
+                    .insert_unique(entries[i].hash, i as u32, |&j| entries[j as usize].hash);
             }
             self.indexed = n;
         }
@@ -205,7 +228,7 @@ impl Record {
         let key_of = |i: usize| &keys[i * kl..(i + 1) * kl];
         let found = match self.index.find(hash, |&i| key_eq(key_of(i as usize), key)) {
             Some(&i) => i as usize,
-            None => scan(&hashes[self.indexed..n], hash, |i| {
+            None => scan(&entries[self.indexed..n], hash, |i| {
                 key_eq(key_of(self.indexed + i), key)
             })
             .map(|i| self.indexed + i)?,
@@ -219,20 +242,49 @@ impl Record {
     #[inline(always)]
     pub fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64, flags: u8) -> u32 {
         let i = self.len() as u32;
-        let above = self.positions.last().is_none_or(|&p| p < position);
+        let above = self.entries.last().is_none_or(|e| e.position < position);
         self.ascending &= position != NO_POS && above;
         append_key(&mut self.keys, key);
-        self.hashes.push(hash);
-        self.positions.push(position);
-        self.ids.push(id);
-        self.flags.push(flags);
-        self.offer_of.push(0);
+        self.entries.push(Entry {
+            hash,
+            position,
+            id,
+            flags,
+            offer: 0,
+        });
         if position == NO_POS {
             self.unpositioned += 1;
         }
-        let (w, bit) = filter_bit(hash);
-        self.filter[w] |= bit;
+        let f = self.filter_words_mut();
+        let (w, bit) = filter_bit(hash, f.len());
+        f[w] |= bit;
+        self.fit_filter();
         i
+    }
+
+    /// Grows the filter when the keys exceed one in [`FILTER_BITS_PER_KEY`] of its bits, with
+    /// the bits of every recorded key (and none of the keys claimed and not recorded).
+    #[inline(always)]
+    fn fit_filter(&mut self) {
+        if self.len() * FILTER_BITS_PER_KEY > self.filter_words().len() * 64 {
+            self.grow_filter();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn grow_filter(&mut self) {
+        let mut words = self.filter_words().len();
+        while self.len() * FILTER_BITS_PER_KEY > words * 64 {
+            words *= 4;
+        }
+        self.big_filter.clear();
+        self.big_filter.resize(words, 0);
+        for e in &self.entries {
+            let (w, bit) = filter_bit(e.hash, words);
+            self.big_filter[w] |= bit;
+        }
+        self.loose = false;
     }
 
     /// Records the keys `indices` (ascending) of `run` (each [`Self::claim`]ed, none recorded
@@ -243,37 +295,38 @@ impl Record {
         let (Some(&a), Some(&b)) = (indices.first(), indices.last()) else {
             return base as u32;
         };
-        let (a, b, kl) = (a as usize, b as usize + 1, run.key_len);
-        if b - a == m {
-            // One contiguous run of the call's keys (the usual case): one copy per field.
-            self.keys.extend_from_slice(&run.keys[a * kl..b * kl]);
-            self.hashes.extend_from_slice(&run.hashes[a..b]);
-            self.ids.extend_from_slice(&run.ids[a..b]);
-            match run.positions.get(a..b) {
-                Some(p) => self.positions.extend_from_slice(p),
-                None => self.positions.resize(base + m, NO_POS),
-            }
+        let kl = run.key_len;
+        let before = self.entries.last().map(|e| e.position);
+        if b - a + 1 == m as u32 && m > 4 {
+            // One contiguous run of the call's keys (the usual case): one copy of the bytes.
+            let (a, b) = (a as usize * kl, (b as usize + 1) * kl);
+            self.keys.extend_from_slice(&run.keys[a..b]);
         } else {
+            self.keys.reserve(m * kl);
             for &i in indices {
-                let i = i as usize;
-                append_key(&mut self.keys, &run.keys[i * kl..(i + 1) * kl]);
-                self.hashes.push(run.hashes[i]);
-                self.ids.push(run.ids[i]);
-                self.positions
-                    .push(run.positions.get(i).copied().unwrap_or(NO_POS));
+                append_key(
+                    &mut self.keys,
+                    &run.keys[i as usize * kl..(i as usize + 1) * kl],
+                );
             }
         }
-        self.flags.resize(base + m, flags);
-        self.offer_of.resize(base + m, offer);
-        let new = &self.positions[base - base.min(1)..];
-        debug_assert!(run.positions.is_empty() || !new[base.min(1)..].contains(&NO_POS));
+        self.entries.extend(indices.iter().map(|&i| Entry {
+            hash: run.hashes[i as usize],
+            position: run.positions.get(i as usize).copied().unwrap_or(NO_POS),
+            id: run.ids[i as usize],
+            flags,
+            offer,
+        }));
         if run.positions.is_empty() {
             self.unpositioned += m;
             self.ascending = false;
         } else if self.ascending {
-            // `new` starts with the key before the run, if any.
-            self.ascending = new.windows(2).all(|w| w[0] < w[1]);
+            let new = &self.entries[base..];
+            debug_assert!(new.iter().all(|e| e.position != NO_POS));
+            self.ascending = before.is_none_or(|p| p < new[0].position)
+                && new.windows(2).all(|w| w[0].position < w[1].position);
         }
+        self.fit_filter();
         base as u32
     }
 
@@ -311,12 +364,12 @@ impl Record {
         let Some(i) = seen else {
             return (self.push(hash, key, id, position, 0), true);
         };
-        let p = &mut self.positions[i as usize];
-        if *p == NO_POS && position != NO_POS {
-            *p = position;
+        let e = &mut self.entries[i as usize];
+        if e.position == NO_POS && position != NO_POS {
+            e.position = position;
             self.unpositioned -= 1;
         }
-        self.ids[i as usize] = id;
+        e.id = id;
         (i, false)
     }
 
@@ -325,7 +378,7 @@ impl Record {
     pub fn begin_offer(&mut self) -> u32 {
         self.offers = self.offers.wrapping_add(1);
         if self.offers == 0 {
-            self.offer_of.fill(0);
+            self.entries.iter_mut().for_each(|e| e.offer = 0);
             self.offers = 1;
         }
         self.offers
@@ -334,20 +387,19 @@ impl Record {
     /// Empties the record (keeping its buffers) for `generation`.
     fn reset(&mut self, generation: u64) {
         self.generation = generation;
-        if self.loose || self.len() > FILTER_CLEAR_KEYS {
-            self.filter = [0; FILTER_BITS / 64];
+        if !self.big_filter.is_empty() {
+            self.big_filter.clear();
+            self.filter = [0; FILTER_MIN_WORDS];
+        } else if self.loose || self.len() > FILTER_CLEAR_KEYS {
+            self.filter = [0; FILTER_MIN_WORDS];
         } else {
-            for &h in &self.hashes {
-                self.filter[filter_bit(h).0] = 0;
+            for e in &self.entries {
+                self.filter[filter_bit(e.hash, FILTER_MIN_WORDS).0] = 0;
             }
         }
         self.loose = false;
         self.keys.clear();
-        self.hashes.clear();
-        self.positions.clear();
-        self.ids.clear();
-        self.flags.clear();
-        self.offer_of.clear();
+        self.entries.clear();
         self.unpositioned = 0;
         self.ascending = true;
         self.index.clear();
@@ -424,15 +476,8 @@ impl Records {
     pub fn check(&self, key_len: usize, table: &KeyTable) -> std::result::Result<(), String> {
         for (i, r) in self.records.iter().enumerate().filter(|(_, r)| r.active) {
             let n = r.len();
-            let lengths = [
-                r.positions.len(),
-                r.ids.len(),
-                r.flags.len(),
-                r.offer_of.len(),
-            ];
-            let positions = &r.positions;
+            let positions: Vec<u64> = r.entries.iter().map(|e| e.position).collect();
             if r.keys.len() != n * key_len
-                || lengths.iter().any(|&l| l != n)
                 || r.indexed > n
                 || r.cursor > n
                 || r.index.len() != r.indexed
@@ -441,10 +486,11 @@ impl Records {
             {
                 return Err(format!("request record {i}: inconsistent lengths"));
             }
-            for (j, &h) in r.hashes.iter().enumerate() {
+            for (j, h) in r.entries.iter().map(|e| e.hash).enumerate() {
                 let key = r.key(j, key_len);
-                let (w, bit) = filter_bit(h);
-                if table.hash(key) != h || r.filter[w] & bit == 0 {
+                let f = r.filter_words();
+                let (w, bit) = filter_bit(h, f.len());
+                if table.hash(key) != h || f[w] & bit == 0 {
                     return Err(format!("request record {i}: key {j} is not filtered"));
                 }
                 let found = r
@@ -534,11 +580,14 @@ mod tests {
         assert_eq!(r.unpositioned, 1);
         let seen = r.find(hash(1), &key(1));
         assert_eq!(r.observe(seen, hash(1), &key(1), 6, 32), (0, false));
-        assert_eq!((r.positions[0], r.ids[0]), (32, 6));
+        assert_eq!((r.entries[0].position, r.entries[0].id), (32, 6));
         assert_eq!(r.unpositioned, 0);
         let seen = r.find(hash(1), &key(1));
         r.observe(seen, hash(1), &key(1), 7, 48);
-        assert_eq!((r.positions[0], r.ids[0], r.len()), (32, 7, 1));
+        assert_eq!(
+            (r.entries[0].position, r.entries[0].id, r.len()),
+            (32, 7, 1)
+        );
         // The group is the key's last four bytes.
         assert_eq!(group_of(r.key(0, 8)), 1);
         r.reset(1);

@@ -144,7 +144,7 @@ impl Manager {
                 accessed |= rec.append_pending(run, new, &mut recorded, REUSED, 0).1;
                 let seen = rec.find(h, key);
                 let (j, new_key) = rec.observe(seen, h, key, id, p);
-                let f = &mut rec.flags[j as usize];
+                let f = &mut rec.entries[j as usize].flags;
                 if *f & INSERTED == 0 {
                     *f |= REUSED;
                 }
@@ -192,7 +192,7 @@ impl Manager {
             if !order.is_sorted_by_key(group) {
                 order.sort_by_key(group);
             }
-            let position = |j: &u32| rec.positions[*j as usize];
+            let position = |j: &u32| rec.entries[*j as usize].position;
             if rec.unpositioned == 0 {
                 if !order.is_sorted_by_key(position) {
                     order.sort_by_key(position);
@@ -200,7 +200,10 @@ impl Manager {
             } else {
                 // vLLM 0.33 sorts each group whose keys all have a position.
                 for run in order.chunk_by_mut(|a, b| group(a) == group(b)) {
-                    if run.iter().all(|&j| rec.positions[j as usize] != NO_POS) {
+                    if run
+                        .iter()
+                        .all(|&j| rec.entries[j as usize].position != NO_POS)
+                    {
                         run.sort_by_key(position);
                     }
                 }
@@ -209,7 +212,8 @@ impl Manager {
         self.scratch_access_ids.clear();
         self.scratch_flags.clear();
         for &j in &self.scratch_order {
-            let (key, id) = (rec.key(j as usize, kl), rec.ids[j as usize]);
+            let (key, e) = (rec.key(j as usize, kl), &rec.entries[j as usize]);
+            let id = e.id;
             let kept = self
                 .slots
                 .get(id as usize)
@@ -218,11 +222,11 @@ impl Manager {
                 id
             } else {
                 self.keys
-                    .find_hashed(rec.hash(j as usize), key)
+                    .find_hashed(e.hash, key)
                     .map_or(NO_ID, |e| self.policy.id_of_entry(e))
             };
             self.scratch_access_ids.push(id);
-            self.scratch_flags.push(rec.flags[j as usize]);
+            self.scratch_flags.push(e.flags);
         }
         self.policy.on_request_finished(
             &self.scratch_access_ids,

@@ -239,7 +239,9 @@ impl Manager {
             } else {
                 accessed |= record_candidates(rec, new, &mut recorded, entries);
                 let seen = rec.find(h, key);
-                let flags = seen.map(|j| (rec.offer_of[j as usize], rec.flags[j as usize]));
+                let flags = seen
+                    .map(|j| rec.entries[j as usize])
+                    .map(|e| (e.offer, e.flags));
                 if flags.is_some_and(|(o, _)| o == offer) {
                     continue; // listed before in this offer
                 }
@@ -259,14 +261,14 @@ impl Manager {
                 access_pos.push(p);
             }
             accessed |= is_new;
-            let f = &mut rec.flags[j as usize];
+            let e = &mut rec.entries[j as usize];
             if present {
-                if *f & INSERTED == 0 {
-                    *f |= REUSED;
+                if e.flags & INSERTED == 0 {
+                    e.flags |= REUSED;
                 }
             } else {
-                *f |= STORE_MISS;
-                rec.offer_of[j as usize] = offer;
+                e.flags |= STORE_MISS;
+                e.offer = offer;
                 new.push(k as u32);
                 entries.push(j);
                 recorded = new.len();
@@ -302,8 +304,9 @@ impl Manager {
         let rec = self.records.current(i, self.generation);
         rec.rank = rank;
         for (&j, &slot) in self.scratch_entries.iter().zip(out_slots.iter()) {
-            rec.flags[j as usize] |= INSERTED;
-            rec.ids[j as usize] = slot;
+            let e = &mut rec.entries[j as usize];
+            e.flags |= INSERTED;
+            e.id = slot;
         }
         Ok(counts)
     }
