@@ -237,10 +237,9 @@ impl Record {
         Some(found as u32)
     }
 
-    /// Records `key` (not recorded yet, manager id `id`) with `position` and `flags`; returns
-    /// its index.
+    /// Records `key` (not recorded yet, manager id `id`) with `position`; returns its index.
     #[inline(always)]
-    pub fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64, flags: u8) -> u32 {
+    fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64) -> u32 {
         let i = self.len() as u32;
         let above = self.entries.last().is_none_or(|e| e.position < position);
         self.ascending &= position != NO_POS && above;
@@ -249,7 +248,7 @@ impl Record {
             hash,
             position,
             id,
-            flags,
+            flags: 0,
             offer: 0,
         });
         if position == NO_POS {
@@ -298,7 +297,8 @@ impl Record {
         let kl = run.key_len;
         let before = self.entries.last().map(|e| e.position);
         if b - a + 1 == m as u32 && m > 4 {
-            // One contiguous run of the call's keys (the usual case): one copy of the bytes.
+            // A longer contiguous run of the call's keys (the usual case): one copy of the
+            // bytes; a short run is copied key by key (cheaper than a call to copy).
             let (a, b) = (a as usize * kl, (b as usize + 1) * kl);
             self.keys.extend_from_slice(&run.keys[a..b]);
         } else {
@@ -362,7 +362,7 @@ impl Record {
         position: u64,
     ) -> (u32, bool) {
         let Some(i) = seen else {
-            return (self.push(hash, key, id, position, 0), true);
+            return (self.push(hash, key, id, position), true);
         };
         let e = &mut self.entries[i as usize];
         if e.position == NO_POS && position != NO_POS {

@@ -141,7 +141,7 @@ impl Manager {
                 new.push(k as u32);
                 true
             } else {
-                accessed |= rec.append_pending(run, new, &mut recorded, REUSED, 0).1;
+                rec.append_pending(run, new, &mut recorded, REUSED, 0);
                 let seen = rec.find(h, key);
                 let (j, new_key) = rec.observe(seen, h, key, id, p);
                 let f = &mut rec.entries[j as usize].flags;
