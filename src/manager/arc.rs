@@ -87,6 +87,8 @@ pub(crate) struct ArcPolicy {
     used: u32,
     /// vLLM 0.33: eviction takes from T1 when T2 has no candidate left.
     pub(super) fallback_to_t1: bool,
+    /// Bumped by every change of the lists ([`EvictionPolicy::order_version`]).
+    version: u64,
 }
 
 /// T1/T2 slots and B1/B2 keys (LRU first) and the target.
@@ -127,6 +129,7 @@ impl ArcPolicy {
         }
         p.stored += 1;
         self.links.data_mut(e).tag = tag;
+        self.version += 1;
     }
 
     /// Takes entry `e` out of its pair's list.
@@ -141,6 +144,7 @@ impl ArcPolicy {
             p.stored -= 1;
         }
         self.links.unlink(&mut p.list, e);
+        self.version += 1;
     }
 
     /// Makes `e`, which is in pair `k`'s list, its most recent ghost or stored key.
@@ -159,6 +163,7 @@ impl ArcPolicy {
             NO_ID => self.links.push_back(&mut p.list, e),
             at => self.links.insert_before(&mut p.list, at, e),
         }
+        self.version += 1;
     }
 
     /// One stored key of a touch: entry `e`, whose slot has reference count `ref_cnt`.
@@ -239,6 +244,7 @@ impl ArcPolicy {
             e = next;
         }
         self.links.detach_front(&mut self.pairs[k].list, excess, e);
+        self.version += 1;
     }
 
     /// The lists (LRU first) and the target, for tests.
@@ -306,6 +312,7 @@ impl EvictionPolicy for ArcPolicy {
             free: Vec::new(),
             used: 0,
             fallback_to_t1: false,
+            version: 0,
         })
     }
 
@@ -417,6 +424,29 @@ impl EvictionPolicy for ArcPolicy {
         }
     }
 
+    #[inline]
+    fn order_version(&self) -> u64 {
+        self.version
+    }
+
+    /// The inserted keys are the last `keys` of T1 in insertion order (nothing changed since
+    /// they were pushed there); walking them tail to head, each becomes T1's most recent: the
+    /// run is reversed in place.
+    fn commit_inserted_tail(&mut self, version: u64, keys: usize) -> bool {
+        if version != self.version {
+            return false;
+        }
+        let p = &mut self.pairs[0];
+        debug_assert!(keys <= p.stored, "{keys} inserted keys, {} in T1", p.stored);
+        let old_tail = p.list.tail;
+        let first = self.links.reverse_tail(&mut p.list, keys);
+        if p.stored_head == first {
+            p.stored_head = old_tail;
+        }
+        self.version += 1;
+        true
+    }
+
     /// Each victim's entry becomes the most recent ghost of its pair (T1→B1, T2→B2) and loses
     /// its slot; then both ghost lists are trimmed to the capacity.
     fn evict(&mut self, victims: &[u32], slots: &mut [SlotState], keys: &mut KeyTable) {
@@ -435,6 +465,7 @@ impl EvictionPolicy for ArcPolicy {
             }
             p.stored -= 1;
         }
+        self.version += 1;
         keys.note_change();
         for k in 0..2 {
             self.trim(k, keys);
@@ -462,6 +493,7 @@ impl EvictionPolicy for ArcPolicy {
         self.free.clear();
         self.used = 0;
         self.target = 0.0;
+        self.version += 1;
         slots.iter_mut().for_each(|s| s.entry = NO_ID);
     }
 

@@ -130,6 +130,33 @@ impl<T: Copy + Default> Links<T> {
         list.len -= 1;
     }
 
+    /// Reverses the order of the last `n` ids of `list` (`n` at most its length); returns the
+    /// id that was `n`-th from the back and is now the tail (`NO_ID` if `n` is 0).
+    pub fn reverse_tail(&mut self, list: &mut List, n: usize) -> u32 {
+        debug_assert!(n <= list.len, "{n} of {} ids", list.len);
+        let last = list.tail;
+        if n < 2 {
+            return if n == 1 { last } else { NO_ID };
+        }
+        let (mut c, mut first) = (last, NO_ID);
+        for _ in 0..n {
+            let node = &mut self.nodes[c as usize];
+            first = c;
+            c = node.prev;
+            (node.prev, node.next) = (node.next, node.prev);
+        }
+        // `c` is the id before the run; the run's ends take their places.
+        self.nodes[last as usize].prev = c;
+        if c == NO_ID {
+            list.head = last;
+        } else {
+            self.nodes[c as usize].next = last;
+        }
+        self.nodes[first as usize].next = NO_ID;
+        list.tail = first;
+        first
+    }
+
     /// Moves the run of ids from `first` to `last` (consecutive in `list`, `first` not after
     /// `last`) to the tail, in their order.
     pub fn move_run_to_back(&mut self, list: &mut List, first: u32, last: u32) {
@@ -263,6 +290,36 @@ mod tests {
         links.move_run_to_back(&mut list, 0, 4);
         assert_eq!(collect(&links, &list), [5, 1, 2, 3, 0, 4]);
         assert_eq!((list.len, links.prev(5)), (6, NO_ID));
+    }
+
+    #[test]
+    fn reverse_tail_reverses_the_last_ids_only() {
+        for (n, want) in [
+            (0, [0, 1, 2, 3, 4]),
+            (1, [0, 1, 2, 3, 4]),
+            (2, [0, 1, 2, 4, 3]),
+            (3, [0, 1, 4, 3, 2]),
+            (5, [4, 3, 2, 1, 0]),
+        ] {
+            let mut links: Links = Links::with_capacity(5).unwrap();
+            let mut list = List::default();
+            for id in 0..5 {
+                links.push_back(&mut list, id);
+            }
+            let first = links.reverse_tail(&mut list, n);
+            assert_eq!(collect(&links, &list), want, "{n}");
+            assert_eq!(first, if n == 0 { NO_ID } else { 5 - n as u32 }, "{n}");
+            // Walking back gives the same order.
+            let mut back = vec![];
+            let mut c = list.tail;
+            while c != NO_ID {
+                back.push(c);
+                c = links.prev(c);
+            }
+            back.reverse();
+            assert_eq!(back, want, "{n} backwards");
+            assert_eq!((list.head, list.tail, list.len), (want[0], want[4], 5));
+        }
     }
 
     #[test]

@@ -91,6 +91,9 @@ pub struct Manager {
     /// match).
     #[cfg(test)]
     commit_general_only: bool,
+    /// Tests: the commits a policy's shortcut took (whole or in part).
+    #[cfg(test)]
+    commit_shortcuts: usize,
     epoch: u32,
     /// The request records of 0.33 semantics, and the cache generation (bumped by `reset`)
     /// that makes older records stale.
@@ -194,6 +197,8 @@ impl Manager {
             scratch_flags: Vec::new(),
             #[cfg(test)]
             commit_general_only: false,
+            #[cfg(test)]
+            commit_shortcuts: 0,
             epoch: 0,
             records: Records::default(),
             generation: 0,

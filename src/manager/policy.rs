@@ -138,6 +138,21 @@ pub(super) trait EvictionPolicy: Sized {
         false
     }
 
+    /// A count of the changes of the policy's order so far, not 0 once a key was inserted; 0
+    /// always if the policy keeps none (it has no [`Self::commit_inserted_tail`]).
+    fn order_version(&self) -> u64 {
+        0
+    }
+
+    /// The first step of [`Self::on_request_finished`] for a request whose last `keys`
+    /// recorded keys (the tail of its commit order) are the keys its last store inserted, in
+    /// that store's order, none of them reused, when [`Self::order_version`] is still
+    /// `version`, the one it had right after that store: commits those keys (the caller
+    /// commits the others after) and returns true. False (the default): nothing changed.
+    fn commit_inserted_tail(&mut self, _version: u64, _keys: usize) -> bool {
+        false
+    }
+
     /// Appends to `out` `n` slots to evict by the policy's rule, among the ready, idle slots not
     /// protected in `epoch`, changing nothing; false when there are fewer.
     fn pick_victims(&self, n: usize, slots: &[SlotState], epoch: u32, out: &mut Vec<u32>) -> bool;
@@ -305,6 +320,18 @@ impl PolicyImpl {
     #[inline]
     pub fn commit_in_anchor_order(&mut self, rank: u32, keys: usize) -> bool {
         dispatch!(self, p => p.commit_in_anchor_order(rank, keys))
+    }
+
+    /// See [`EvictionPolicy::order_version`].
+    #[inline]
+    pub fn order_version(&self) -> u64 {
+        dispatch!(self, p => p.order_version())
+    }
+
+    /// See [`EvictionPolicy::commit_inserted_tail`].
+    #[inline]
+    pub fn commit_inserted_tail(&mut self, version: u64, keys: usize) -> bool {
+        dispatch!(self, p => p.commit_inserted_tail(version, keys))
     }
 
     /// See [`EvictionPolicy::pick_victims`].

@@ -84,6 +84,11 @@ pub(super) struct Record {
     pub rank: u32,
     /// The last store offer's number.
     offers: u32,
+    /// The keys `inserted.start..inserted.end` are those the record's last store inserted,
+    /// in its order, and the policy's order version was `inserted_version` right after it
+    /// (an empty range: the last store inserted others, or none).
+    pub inserted: std::ops::Range<u32>,
+    pub inserted_version: u64,
 }
 
 impl Default for Record {
@@ -104,6 +109,8 @@ impl Default for Record {
             loose: false,
             rank: NO_ID,
             offers: 0,
+            inserted: 0..0,
+            inserted_version: 0,
         }
     }
 }
@@ -373,6 +380,33 @@ impl Record {
         (i, false)
     }
 
+    /// Notes that a store inserted the keys `indices` (in its order) and left the policy's
+    /// order at `version`: kept when they are the record's last keys, in order.
+    pub fn note_inserted(&mut self, indices: &[u32], version: u64) {
+        let n = self.len() as u32;
+        self.inserted = match (indices.first(), indices.last()) {
+            (Some(&a), Some(&b))
+                if b + 1 == n
+                    && (b - a) as usize + 1 == indices.len()
+                    && indices.is_sorted_by(|x, y| x < y) =>
+            {
+                a..n
+            }
+            _ => 0..0,
+        };
+        self.inserted_version = version;
+    }
+
+    /// The keys of [`Self::note_inserted`] if they are still the record's last and none of
+    /// them was reused since.
+    pub fn inserted_tail(&self) -> Option<std::ops::Range<u32>> {
+        let r = self.inserted.clone();
+        let fresh = |e: &Entry| e.flags & (INSERTED | REUSED) == INSERTED;
+        (!r.is_empty() && r.end as usize == self.len())
+            .then_some(r)
+            .filter(|r| self.entries[r.start as usize..].iter().all(fresh))
+    }
+
     /// Starts a store offer: returns its number, distinct from every [`Self::offer_of`] of the
     /// record.
     pub fn begin_offer(&mut self) -> u32 {
@@ -407,6 +441,7 @@ impl Record {
         self.cursor = 0;
         self.rank = NO_ID;
         self.offers = 0;
+        self.inserted = 0..0;
     }
 }
 

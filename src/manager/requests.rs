@@ -175,13 +175,32 @@ impl Manager {
     fn commit(&mut self, i: usize) {
         let kl = self.cfg.key_len;
         let rec = self.records.get(i);
-        let n = rec.len();
+        let mut n = rec.len();
         #[cfg(test)]
         let shortcut = !self.commit_general_only;
         #[cfg(not(test))]
         let shortcut = true;
-        if shortcut && rec.ascending && self.policy.commit_in_anchor_order(rec.rank, n) {
-            return;
+        if shortcut && rec.ascending {
+            if self.policy.commit_in_anchor_order(rec.rank, n) {
+                #[cfg(test)]
+                {
+                    self.commit_shortcuts += 1;
+                }
+                return;
+            }
+            // Keys recorded with ascending positions are committed in their order, tail first:
+            // the keys the last store inserted, when they are the last recorded, come first.
+            if let Some(tail) = rec.inserted_tail()
+                && self
+                    .policy
+                    .commit_inserted_tail(rec.inserted_version, tail.len())
+            {
+                n = tail.start as usize;
+                #[cfg(test)]
+                {
+                    self.commit_shortcuts += 1;
+                }
+            }
         }
         self.scratch_order.clear();
         self.scratch_order.extend(0..n as u32);

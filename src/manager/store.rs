@@ -308,6 +308,10 @@ impl Manager {
             e.flags |= INSERTED;
             e.id = slot;
         }
+        let version = self.policy.order_version();
+        if version != 0 {
+            rec.note_inserted(&self.scratch_entries, version);
+        }
         Ok(counts)
     }
 

@@ -1,13 +1,26 @@
-//! The 0.33 LRU commit's shortcut against the key-by-key commit.
+//! The 0.33 commit's shortcuts against the key-by-key commit: the LRU's commit of a request's
+//! anchor as it lies, and ARC's commit of the keys a request's last store inserted.
 
 use super::*;
 
 /// The 0.33 LRU commit that takes a request's anchor as it lies gives the ranks and order of
-/// the key-by-key commit: random interleavings of requests (loads, stores with ascending or
-/// scattered positions, failed stores, touches, evictions, anonymous stores) on two managers,
-/// one committing key by key, compared after every call.
+/// the key-by-key commit.
 #[test]
 fn lru_commit_in_anchor_order_matches_the_key_by_key_commit() {
+    commit_shortcut_matches_the_key_by_key_commit(Policy::Lru);
+}
+
+/// The 0.33 ARC commit that reverses the run its last store inserted gives the lists of the
+/// key-by-key commit.
+#[test]
+fn arc_commit_of_the_inserted_tail_matches_the_key_by_key_commit() {
+    commit_shortcut_matches_the_key_by_key_commit(Policy::Arc);
+}
+
+/// Random interleavings of requests (loads, stores with ascending or scattered positions,
+/// failed stores, touches, evictions, anonymous stores) on two managers, one committing key by
+/// key, compared after every call; each shortcut and the fallback are taken often.
+fn commit_shortcut_matches_the_key_by_key_commit(which: Policy) {
     let mut rng = 0x2545_F491_4F6C_DD1Du64;
     let mut next = move |n: u64| {
         rng ^= rng << 13;
@@ -18,7 +31,7 @@ fn lru_commit_in_anchor_order_matches_the_key_by_key_commit() {
     let (mut shortcuts, mut fallbacks) = (0, 0);
     for _ in 0..300 {
         let mk = |general| {
-            let mut t = T::new(Semantics::Vllm033, Policy::Lru, 6);
+            let mut t = T::new(Semantics::Vllm033, which, 6);
             t.m.commit_general_only = general;
             t
         };
@@ -63,6 +76,11 @@ fn lru_commit_in_anchor_order_matches_the_key_by_key_commit() {
                         })
                         .collect();
                     assert_eq!(out[0], out[1]);
+                    // (1 in 3) the request finishes at once, as a request of a trace does.
+                    if next(3) == 0 {
+                        let (r, _) = active.swap_remove(i);
+                        finish(&mut m, r, &mut shortcuts, &mut fallbacks);
+                    }
                 }
                 (2, Some(i)) => {
                     let ready: Vec<u64> = keys
@@ -85,19 +103,7 @@ fn lru_commit_in_anchor_order_matches_the_key_by_key_commit() {
                 }
                 (3, Some(i)) => {
                     let (r, _) = active.swap_remove(i);
-                    for (t, r) in m.iter_mut().zip(r) {
-                        let rec = t.m.records.get(t.m.records.index(r).unwrap());
-                        let lru = t.m.policy.ranked_lru().unwrap();
-                        let shortcut = rec.ascending && lru.anchor_holds(rec.rank, rec.len());
-                        if !t.m.commit_general_only {
-                            *(if shortcut {
-                                &mut shortcuts
-                            } else {
-                                &mut fallbacks
-                            }) += 1;
-                        }
-                        t.m.finish_request(r).unwrap();
-                    }
+                    finish(&mut m, r, &mut shortcuts, &mut fallbacks);
                 }
                 (4, _) => m.iter_mut().for_each(|t| t.touch(&keys)),
                 _ => {
@@ -110,17 +116,41 @@ fn lru_commit_in_anchor_order_matches_the_key_by_key_commit() {
             for t in &m {
                 t.m.check_invariants().unwrap();
             }
-            let lru = |t: &T| {
-                let l = t.m.policy.ranked_lru().unwrap();
-                let order = l.order();
-                let ranks: Vec<_> = order.iter().map(|&s| l.rank(s)).collect();
-                (order, ranks)
-            };
-            assert_eq!(lru(&m[0]), lru(&m[1]));
+            match which {
+                Policy::Lru => {
+                    let lru = |t: &T| {
+                        let l = t.m.policy.ranked_lru().unwrap();
+                        let order = l.order();
+                        let ranks: Vec<_> = order.iter().map(|&s| l.rank(s)).collect();
+                        (order, ranks)
+                    };
+                    assert_eq!(lru(&m[0]), lru(&m[1]));
+                }
+                Policy::Arc => {
+                    let arc = |t: &T| t.m.policy.arc().unwrap().snapshot(&t.m.keys);
+                    assert_eq!(arc(&m[0]), arc(&m[1]));
+                }
+            }
         }
     }
     assert!(
         shortcuts > 100 && fallbacks > 100,
         "{shortcuts} {fallbacks}"
     );
+}
+
+/// Finishes request `r` (one handle per manager), counting whether the first manager commits
+/// it by a shortcut.
+fn finish(m: &mut [T; 2], r: [RequestId; 2], shortcuts: &mut usize, fallbacks: &mut usize) {
+    for (t, r) in m.iter_mut().zip(r) {
+        let before = t.m.commit_shortcuts;
+        t.m.finish_request(r).unwrap();
+        if !t.m.commit_general_only {
+            *(if t.m.commit_shortcuts > before {
+                &mut *shortcuts
+            } else {
+                &mut *fallbacks
+            }) += 1;
+        }
+    }
 }
