@@ -19,9 +19,10 @@
 
 use super::keys::KeyTable;
 use super::list::{Links, List};
-use super::policy::{EvictionPolicy, NewKey};
+use super::policy::{EvictionPolicy, NewKey, NewKeys};
+use super::pool::SlotPool;
 use super::record::NO_POS;
-use super::{NO_ID, SlotState};
+use super::{NO_ID, SlotState, key_at};
 
 /// A node's rank. The minor of a provisional rank is `u64::MAX - position` (the order of
 /// `-position`); a fresh rank's is 0 (a fresh major is never a request's, so the two kinds of
@@ -284,6 +285,61 @@ impl EvictionPolicy for RankedLruPolicy {
             self.place_unlinked(new.slot, *rank, minor_of(new.position), keys);
         }
         new.slot
+    }
+
+    /// [`Self::insert`] of each key in turn, except that a key ranking before the one this
+    /// call just put first in the request's anchor (a request stores its keys head first: each
+    /// has the smallest minor yet) is linked in front of it without reading the anchor again.
+    #[inline(always)]
+    fn insert_all(
+        &mut self,
+        new: NewKeys<'_>,
+        pool: &mut SlotPool,
+        slots: &mut [SlotState],
+        keys: &mut KeyTable,
+        out: &mut [u32],
+        rank: &mut u32,
+    ) {
+        let kl = new.key_len;
+        // The anchor's first key when this call put it there, with its rank, and the keys
+        // linked in front of it since (counted at the end).
+        let (mut front, mut placed) = (None::<(u32, Rank)>, 0);
+        for (out, &i) in out.iter_mut().zip(new.indices) {
+            let slot = pool.alloc();
+            keys.insert_hashed(new.hashes[i as usize], slot, key_at(new.keys, kl, i));
+            match new.positions.get(i as usize) {
+                None => self.give_fresh(slot),
+                Some(&p) => {
+                    let minor = minor_of(p);
+                    front = match front {
+                        Some((f, r)) if minor < r.minor => {
+                            let r = Rank { minor, ..r };
+                            *self.links.data_mut(slot) = Ranked {
+                                rank: r,
+                                anchor: *rank,
+                            };
+                            self.links.insert_before(&mut self.list, f, slot);
+                            placed += 1;
+                            Some((slot, r))
+                        }
+                        _ => {
+                            if *rank == NO_ID {
+                                *rank = self.take_anchor();
+                            }
+                            self.place_unlinked(slot, *rank, minor, keys);
+                            let first = self.links.next(*rank) == slot;
+                            first.then(|| (slot, self.rank_of(slot)))
+                        }
+                    };
+                }
+            }
+            slots[slot as usize].start_store(slot);
+            *out = slot;
+        }
+        if placed > 0 {
+            let a = self.anchor_index(*rank);
+            self.counts[a].placed += placed;
+        }
     }
 
     #[inline]
