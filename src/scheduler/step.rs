@@ -133,12 +133,16 @@ impl Scheduler {
         self.pending_loads.clear(self.cfg.block_size_factor);
         let touches = !self.v033();
         for (i, s) in scheduled.iter().enumerate() {
-            // 0.24: the next storing request touches all its keys: start their misses now (its
-            // store candidates were prefetched above).
-            if let Some(next) = scheduled.get(i + 1).filter(|_| touches) {
+            // The next storing request's keys are needed next: start their misses again now
+            // (0.24: all its keys, which it touches; 0.33: its store candidates).
+            if let Some(next) = scheduled.get(i + 1) {
                 let (r, n) = (&self.requests[&next.request_id], self.scratch_chunks[i + 1]);
                 if n > r.next_stored_chunk {
-                    self.manager.prefetch(&r.keys);
+                    let keys = match touches {
+                        true => &r.keys[..],
+                        false => r.keys_of(self.cfg.key_len, r.next_stored_chunk, n),
+                    };
+                    self.manager.prefetch(keys);
                 }
             }
             self.build_store_job(s.request_id, self.scratch_chunks[i], step);
