@@ -302,7 +302,6 @@ impl Record {
             return base as u32;
         };
         let kl = run.key_len;
-        let before = self.entries.last().map(|e| e.position);
         if b - a + 1 == m as u32 && m > 4 {
             // A longer contiguous run of the call's keys (the usual case): one copy of the
             // bytes; a short run is copied key by key (cheaper than a call to copy).
@@ -317,22 +316,27 @@ impl Record {
                 );
             }
         }
-        self.entries.extend(indices.iter().map(|&i| Entry {
-            hash: run.hashes[i as usize],
-            position: run.positions.get(i as usize).copied().unwrap_or(NO_POS),
-            id: run.ids[i as usize],
-            flags,
-            offer,
-        }));
+        // Positions are given for every key of a run or for none.
+        let mut ascending = self.ascending && !run.positions.is_empty();
+        let mut before = self.entries.last().map(|e| e.position);
+        self.entries.reserve(m);
+        for &i in indices {
+            let i = i as usize;
+            let position = run.positions.get(i).copied().unwrap_or(NO_POS);
+            ascending &= before.is_none_or(|p| p < position);
+            before = Some(position);
+            self.entries.push(Entry {
+                hash: run.hashes[i],
+                position,
+                id: run.ids[i],
+                flags,
+                offer,
+            });
+        }
         if run.positions.is_empty() {
             self.unpositioned += m;
-            self.ascending = false;
-        } else if self.ascending {
-            let new = &self.entries[base..];
-            debug_assert!(new.iter().all(|e| e.position != NO_POS));
-            self.ascending = before.is_none_or(|p| p < new[0].position)
-                && new.windows(2).all(|w| w[0].position < w[1].position);
         }
+        self.ascending = ascending;
         self.fit_filter();
         base as u32
     }
