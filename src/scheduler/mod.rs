@@ -36,7 +36,8 @@ use request::Request;
 pub struct Scheduler {
     cfg: SchedulerConfig,
     manager: Manager,
-    requests: HashMap<u64, Request>,
+    /// Boxed: the map's probes read 16-byte entries, not whole request states.
+    requests: HashMap<u64, Box<Request>>,
     jobs: HashMap<u64, Job>,
     next_job_id: u64,
     /// Reports for job ids below this are from before a reset and ignored.
@@ -62,8 +63,12 @@ pub struct Scheduler {
     /// Buffers of completed jobs, reused by new ones (no allocation per job once warm).
     spare_keys: Vec<Vec<u8>>,
     spare_blocks: Vec<Vec<u32>>,
-    /// States of dropped requests, whose buffers new requests reuse.
-    spare_requests: Vec<Request>,
+    /// States of dropped requests, whose boxes and buffers new requests reuse.
+    #[expect(
+        clippy::vec_box,
+        reason = "the boxes themselves are reused by new requests"
+    )]
+    spare_requests: Vec<Box<Request>>,
     /// vLLM 0.33: requests finished since the last step, in finish order; the next step builds
     /// their final store jobs, then commits their records.
     finishing: Vec<u64>,
@@ -150,6 +155,7 @@ impl Scheduler {
     fn request(&self, id: u64) -> Result<&Request> {
         self.requests
             .get(&id)
+            .map(|r| &**r)
             .ok_or_else(|| Error::NotFound(format!("request_id: {id} is not tracked")))
     }
 
@@ -174,9 +180,10 @@ impl Scheduler {
                 "request_id: {id} is already tracked"
             )));
         }
-        let spare = self.spare_requests.pop().unwrap_or_default();
+        let mut r = self.spare_requests.pop().unwrap_or_default();
         let record = self.v033().then(|| self.manager.begin_request());
-        let r = Request {
+        let spare = std::mem::take(&mut *r);
+        *r = Request {
             record,
             prompt_tokens,
             num_tokens: prompt_tokens,
