@@ -344,6 +344,40 @@ impl Manager {
         }
     }
 
+    /// The manager's hash of `key` (`key_len` bytes): fixed for the manager's lifetime, so a
+    /// caller may keep it for [`Self::prefetch_hashed`] and [`Self::seed_hashes`].
+    pub(crate) fn key_hash(&self, key: &[u8]) -> u64 {
+        debug_assert_eq!(key.len(), self.cfg.key_len);
+        self.keys.hash(key)
+    }
+
+    /// [`Self::prefetch`] of the keys with these [`Self::key_hash`]es.
+    pub(crate) fn prefetch_hashed(&self, hashes: &[u64]) {
+        if self.keys.prefetches() {
+            hashes.iter().for_each(|&h| self.keys.prefetch(h, true));
+        }
+    }
+
+    /// Makes `hashes` (their [`Self::key_hash`]es) the resolution's hashes of `keys`: the next
+    /// call on keys that start with `keys` hashes none of them again.
+    pub(crate) fn seed_hashes(&mut self, keys: &[u8], hashes: &[u64]) {
+        let kl = self.cfg.key_len;
+        debug_assert_eq!(keys.len(), hashes.len() * kl);
+        debug_assert!(
+            keys.chunks_exact(kl)
+                .zip(hashes)
+                .all(|(k, &h)| self.keys.hash(k) == h),
+            "seeded hashes are the keys' own"
+        );
+        if self.resolved_keys != keys {
+            self.resolved_keys.clear();
+            self.resolved_keys.extend_from_slice(keys);
+            self.scratch_ids.clear();
+        }
+        self.scratch_hash.clear();
+        self.scratch_hash.extend_from_slice(hashes);
+    }
+
     /// Looks up one key, without changing recency. In 0.24 semantics the lookup counts for the
     /// store threshold and a key whose store is in flight answers [`Lookup::Retry`]; in 0.33
     /// it counts for nothing and such a key answers [`Lookup::HitPending`].

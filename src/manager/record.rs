@@ -297,6 +297,33 @@ impl Record {
     /// yet, none twice) in order, each with `flags` and store offer `offer`; returns the index
     /// of the first.
     pub fn append(&mut self, run: Run<'_>, indices: &[u32], flags: u8, offer: u32) -> u32 {
+        self.append_with_ids(run, indices, flags, offer, |_, i| run.ids[i])
+    }
+
+    /// [`Self::append`] of keys a store has just inserted: the `j`-th key of `indices` is
+    /// recorded with `slots[j]` as its id.
+    pub fn append_inserted(
+        &mut self,
+        run: Run<'_>,
+        indices: &[u32],
+        slots: &[u32],
+        flags: u8,
+        offer: u32,
+    ) -> u32 {
+        debug_assert_eq!(indices.len(), slots.len());
+        self.append_with_ids(run, indices, flags, offer, |j, _| slots[j])
+    }
+
+    /// [`Self::append`] with the `j`-th key's (input index `i`) id `id(j, i)`.
+    #[inline(always)]
+    fn append_with_ids(
+        &mut self,
+        run: Run<'_>,
+        indices: &[u32],
+        flags: u8,
+        offer: u32,
+        id: impl Fn(usize, usize) -> u32,
+    ) -> u32 {
         let (base, m) = (self.len(), indices.len());
         let (Some(&a), Some(&b)) = (indices.first(), indices.last()) else {
             return base as u32;
@@ -320,7 +347,7 @@ impl Record {
         let mut ascending = self.ascending && !run.positions.is_empty();
         let mut before = self.entries.last().map(|e| e.position);
         self.entries.reserve(m);
-        for &i in indices {
+        for (j, &i) in indices.iter().enumerate() {
             let i = i as usize;
             let position = run.positions.get(i).copied().unwrap_or(NO_POS);
             ascending &= before.is_none_or(|p| p < position);
@@ -328,7 +355,7 @@ impl Record {
             self.entries.push(Entry {
                 hash: run.hashes[i],
                 position,
-                id: run.ids[i],
+                id: id(j, i),
                 flags,
                 offer,
             });

@@ -274,7 +274,10 @@ impl Manager {
                 recorded = new.len();
             }
         }
-        accessed |= record_candidates(rec, new, &mut recorded, entries);
+        // The candidates after the last key recorded, `new[tail..]`, are recorded once the
+        // store has failed or inserted them (then with their slots, as inserted).
+        let tail = recorded;
+        accessed |= tail < new.len();
         if !self.scratch_misses.is_empty() {
             self.policy.on_store_miss(&self.scratch_misses);
         }
@@ -298,19 +301,42 @@ impl Manager {
             return Ok(StoreCounts::default());
         }
         self.stats.record_allocation(to_store);
-        self.make_room(to_store, out_evicted)?;
+        if let Err(e) = self.make_room(to_store, out_evicted) {
+            let rec = self.records.current(i, self.generation);
+            let run = Run {
+                keys,
+                key_len: kl,
+                hashes: &self.scratch_hash[..n],
+                ids: &self.scratch_ids[..n],
+                positions,
+            };
+            rec.append(run, &self.scratch_new[tail..], STORE_MISS, offer);
+            return Err(e);
+        }
         let mut rank = self.records.current(i, self.generation).rank;
         let counts = self.insert_new(keys, positions, out_indices, out_slots, &mut rank)?;
         let rec = self.records.current(i, self.generation);
         rec.rank = rank;
-        for (&j, &slot) in self.scratch_entries.iter().zip(out_slots.iter()) {
+        for (&j, &slot) in self.scratch_entries.iter().zip(&out_slots[..tail]) {
             let e = &mut rec.entries[j as usize];
             e.flags |= INSERTED;
             e.id = slot;
         }
+        let (tail_keys, tail_slots) = (&self.scratch_new[tail..], &out_slots[tail..to_store]);
+        let run = Run {
+            keys,
+            key_len: kl,
+            hashes: &self.scratch_hash[..n],
+            ids: &self.scratch_ids[..n],
+            positions,
+        };
+        let flags = STORE_MISS | INSERTED;
+        let base = rec.append_inserted(run, tail_keys, tail_slots, flags, offer);
         let version = self.policy.order_version();
         if version != 0 {
-            rec.note_inserted(&self.scratch_entries, version);
+            let entries = &mut self.scratch_entries;
+            entries.extend(base..rec.len() as u32);
+            rec.note_inserted(entries, version);
         }
         Ok(counts)
     }

@@ -131,7 +131,10 @@ impl Scheduler {
 
     /// Keeps a dropped request's buffers for a later request when they are small.
     pub(super) fn keep_spare(&mut self, r: Box<Request>) {
-        let bytes = r.keys.capacity() + 4 * r.block_ids.capacity() + 8 * r.jobs.capacity();
+        let bytes = r.keys.capacity()
+            + 8 * r.key_hashes.capacity()
+            + 4 * r.block_ids.capacity()
+            + 8 * r.jobs.capacity();
         if self.spare_requests.len() < 1024 && bytes <= 16 << 10 {
             self.spare_requests.push(r);
         }

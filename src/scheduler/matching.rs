@@ -233,14 +233,18 @@ fn lookup(
     let max_hit = r.num_tokens.min(nk * chunk_tokens);
     if max_hit < c.saturating_add(chunk_tokens) {
         if !v033 {
+            m.seed_hashes(&r.keys, &r.key_hashes);
             m.touch(&r.keys)?;
         }
         return Ok(Match::Miss);
     }
     let (start, end) = (c / chunk_tokens, max_hit.div_ceil(chunk_tokens).min(nk));
     let p = if v033 {
-        m.lookup_prefix(r.keys_of(kl, start, end))?
+        let keys = r.keys_of(kl, start, end);
+        m.seed_hashes(keys, r.hashes_of(start, end));
+        m.lookup_prefix(keys)?
     } else {
+        m.seed_hashes(&r.keys, &r.key_hashes);
         m.lookup_prefix_touch(&r.keys, start as usize..end as usize)?
     };
     if p.hits == 0 {

@@ -189,6 +189,7 @@ impl Scheduler {
             num_tokens: prompt_tokens,
             max_offload_tokens,
             keys: cleared(spare.keys),
+            key_hashes: cleared(spare.key_hashes),
             block_ids: cleared(spare.block_ids),
             jobs: cleared(spare.jobs),
             ..Default::default()
@@ -220,6 +221,7 @@ impl Scheduler {
             r.num_hashes += 1;
             if r.num_hashes.is_multiple_of(f) {
                 r.keys.extend_from_slice(h);
+                r.key_hashes.push(self.manager.key_hash(h));
             }
         }
         r.num_tokens = num_tokens;

@@ -13,6 +13,8 @@ pub(crate) struct Request {
     pub num_hashes: u64,
     /// Offload keys: the hash of the last GPU block of each complete chunk, back to back.
     pub keys: Vec<u8>,
+    /// The tier's hash of each key ([`crate::manager::Manager::key_hash`]), computed once.
+    pub key_hashes: Vec<u64>,
     /// GPU block ids of the request (cleared at match and on resumption).
     pub block_ids: Vec<u32>,
     /// Next chunk to offload (chunks are offloaded in order).
@@ -52,5 +54,10 @@ impl Request {
     /// Keys of chunks `from..to`, back to back.
     pub fn keys_of(&self, key_len: usize, from: u64, to: u64) -> &[u8] {
         &self.keys[from as usize * key_len..to as usize * key_len]
+    }
+
+    /// The hashes of the keys of chunks `from..to`.
+    pub fn hashes_of(&self, from: u64, to: u64) -> &[u64] {
+        &self.key_hashes[from as usize..to as usize]
     }
 }

@@ -91,8 +91,8 @@ impl Scheduler {
             self.allocated.extend_from_slice(s.new_block_ids);
             let n = limit_chunks(&self.cfg, r, r.computed.min(r.num_tokens));
             if n > r.next_stored_chunk {
-                let keys = r.keys_of(self.cfg.key_len, r.next_stored_chunk, n);
-                self.manager.prefetch(keys);
+                self.manager
+                    .prefetch_hashed(r.hashes_of(r.next_stored_chunk, n));
             }
             self.scratch_chunks.push(n);
         }
@@ -138,11 +138,11 @@ impl Scheduler {
             if let Some(next) = scheduled.get(i + 1) {
                 let (r, n) = (&self.requests[&next.request_id], self.scratch_chunks[i + 1]);
                 if n > r.next_stored_chunk {
-                    let keys = match touches {
-                        true => &r.keys[..],
-                        false => r.keys_of(self.cfg.key_len, r.next_stored_chunk, n),
+                    let hashes = match touches {
+                        true => &r.key_hashes[..],
+                        false => r.hashes_of(r.next_stored_chunk, n),
                     };
-                    self.manager.prefetch(keys);
+                    self.manager.prefetch_hashed(hashes);
                 }
             }
             self.build_store_job(s.request_id, self.scratch_chunks[i], step);
@@ -217,6 +217,7 @@ impl Scheduler {
             return false;
         }
         let candidates = r.keys_of(kl, start, n);
+        self.manager.seed_hashes(candidates, r.hashes_of(start, n));
         let stored = match r.record {
             Some(record) => {
                 self.scratch_positions.clear();
@@ -241,6 +242,7 @@ impl Scheduler {
             Ok(_) => {}
         }
         if r.record.is_none() {
+            self.manager.seed_hashes(&r.keys, &r.key_hashes);
             self.manager
                 .touch(&r.keys)
                 .expect("a request's keys have the tier's width");
