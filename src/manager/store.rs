@@ -301,28 +301,11 @@ impl Manager {
             return Ok(StoreCounts::default());
         }
         self.stats.record_allocation(to_store);
-        if let Err(e) = self.make_room(to_store, out_evicted) {
-            let rec = self.records.current(i, self.generation);
-            let run = Run {
-                keys,
-                key_len: kl,
-                hashes: &self.scratch_hash[..n],
-                ids: &self.scratch_ids[..n],
-                positions,
-            };
-            rec.append(run, &self.scratch_new[tail..], STORE_MISS, offer);
-            return Err(e);
-        }
         let mut rank = self.records.current(i, self.generation).rank;
-        let counts = self.insert_new(keys, positions, out_indices, out_slots, &mut rank)?;
+        let counts = self
+            .make_room(to_store, out_evicted)
+            .and_then(|_| self.insert_new(keys, positions, out_indices, out_slots, &mut rank));
         let rec = self.records.current(i, self.generation);
-        rec.rank = rank;
-        for (&j, &slot) in self.scratch_entries.iter().zip(&out_slots[..tail]) {
-            let e = &mut rec.entries[j as usize];
-            e.flags |= INSERTED;
-            e.id = slot;
-        }
-        let (tail_keys, tail_slots) = (&self.scratch_new[tail..], &out_slots[tail..to_store]);
         let run = Run {
             keys,
             key_len: kl,
@@ -330,6 +313,21 @@ impl Manager {
             ids: &self.scratch_ids[..n],
             positions,
         };
+        let tail_keys = &self.scratch_new[tail..];
+        let counts = match counts {
+            Ok(c) => c,
+            Err(e) => {
+                rec.append(run, tail_keys, STORE_MISS, offer);
+                return Err(e);
+            }
+        };
+        rec.rank = rank;
+        for (&j, &slot) in self.scratch_entries.iter().zip(&out_slots[..tail]) {
+            let e = &mut rec.entries[j as usize];
+            e.flags |= INSERTED;
+            e.id = slot;
+        }
+        let tail_slots = &out_slots[tail..to_store];
         let flags = STORE_MISS | INSERTED;
         let base = rec.append_inserted(run, tail_keys, tail_slots, flags, offer);
         let version = self.policy.order_version();
