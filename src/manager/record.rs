@@ -30,22 +30,6 @@ const FILTER_CLEAR_KEYS: usize = 32;
 /// Keys past the hash index that a find compares one by one; with more, it extends the index.
 const SCAN_MAX: usize = 1024;
 
-/// What a record holds of one key besides its bytes.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Entry {
-    pub hash: u64,
-    /// [`NO_POS`]: none.
-    pub position: u64,
-    /// The manager id the key had when last seen (a hint: the commit takes a slot whose key is
-    /// still this one without a lookup, and looks up the others).
-    pub id: u32,
-    /// [`INSERTED`], [`REUSED`], [`STORE_MISS`].
-    pub flags: u8,
-    /// The record's store offer ([`Record::begin_offer`]) that last made the key a candidate;
-    /// 0: none.
-    pub offer: u32,
-}
-
 /// One request's record. Its keys are indices `0..len()` in first-observation order.
 ///
 /// A find tries first the key after the last one found (a request observes its keys again in
@@ -62,8 +46,12 @@ pub(super) struct Record {
     /// The manager's cache generation the record belongs to; a record of an older one is
     /// stale (a reset came between) and starts again empty at its next use.
     pub generation: u64,
-    /// The keys, back to back.
+    /// The keys, back to back, their hashes, their positions ([`NO_POS`]: none) and the rest
+    /// of what the record holds of each (apart, so that a run of a call's keys is appended
+    /// with a copy of each of its fields).
     keys: Vec<u8>,
+    pub hashes: Vec<u64>,
+    pub positions: Vec<u64>,
     pub entries: Vec<Entry>,
     /// Keys without a position.
     pub unpositioned: usize,
@@ -98,6 +86,8 @@ impl Default for Record {
             active: false,
             generation: 0,
             keys: Vec::new(),
+            hashes: Vec::new(),
+            positions: Vec::new(),
             entries: Vec::new(),
             unpositioned: 0,
             ascending: true,
@@ -126,6 +116,28 @@ pub(super) struct Run<'k> {
     pub positions: &'k [u64],
 }
 
+/// What a record holds of one key besides its bytes, hash and position.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Entry {
+    /// The manager id the key had when last seen (a hint: the commit takes a slot whose key is
+    /// still this one without a lookup, and looks up the others).
+    pub id: u32,
+    /// [`INSERTED`], [`REUSED`], [`STORE_MISS`].
+    pub flags: u8,
+    /// The record's store offer ([`Record::begin_offer`]) that last made the key a candidate;
+    /// 0: none.
+    pub offer: u32,
+}
+
+/// Where [`Record::append_with_ids`] takes the keys' ids from.
+#[derive(Clone, Copy)]
+enum Ids<'a> {
+    /// The run's `ids`, by input index.
+    OfRun,
+    /// One per appended key, in order.
+    Given(&'a [u32]),
+}
+
 /// The filter word and bit of `hash`.
 #[inline]
 fn filter_bit(hash: u64, words: usize) -> (usize, u64) {
@@ -133,13 +145,12 @@ fn filter_bit(hash: u64, words: usize) -> (usize, u64) {
     (b / 64, 1 << (b % 64))
 }
 
-/// The first `i` with `entries[i].hash == hash` and `is_key(i)`: eight hashes compared at a
-/// time.
+/// The first `i` with `hashes[i] == hash` and `is_key(i)`: eight hashes compared at a time.
 #[inline]
-fn scan(entries: &[Entry], hash: u64, is_key: impl Fn(usize) -> bool) -> Option<usize> {
-    for (c, chunk) in entries.chunks(8).enumerate() {
-        if chunk.iter().fold(false, |any, e| any | (e.hash == hash)) {
-            let mut at = (c * 8..).zip(chunk).filter(|(_, e)| e.hash == hash);
+fn scan(hashes: &[u64], hash: u64, is_key: impl Fn(usize) -> bool) -> Option<usize> {
+    for (c, chunk) in hashes.chunks(8).enumerate() {
+        if chunk.iter().fold(false, |any, &h| any | (h == hash)) {
+            let mut at = (c * 8..).zip(chunk).filter(|&(_, &h)| h == hash);
             if let Some((i, _)) = at.find(|&(i, _)| is_key(i)) {
                 return Some(i);
             }
@@ -160,7 +171,7 @@ pub(super) fn group_of(key: &[u8]) -> u32 {
 impl Record {
     /// Recorded keys.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.hashes.len()
     }
 
     /// The `i`-th recorded key.
@@ -172,8 +183,8 @@ impl Record {
     #[inline(always)]
     pub fn find(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
         let c = self.cursor;
-        if let Some(e) = self.entries.get(c)
-            && e.hash == hash
+        if let Some(&h) = self.hashes.get(c)
+            && h == hash
             && key_eq(self.key(c, key.len()), key)
         {
             self.cursor = c + 1;
@@ -223,11 +234,11 @@ impl Record {
     #[inline(never)]
     fn find_past_filter(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
         let kl = key.len();
-        let (n, entries) = (self.len(), &self.entries);
+        let (n, hashes) = (self.len(), &self.hashes);
         if n - self.indexed > SCAN_MAX {
-            for i in self.indexed..n {
+            for (i, &h) in hashes.iter().enumerate().skip(self.indexed) {
                 self.index
-                    .insert_unique(entries[i].hash, i as u32, |&j| entries[j as usize].hash);
+                    .insert_unique(h, i as u32, |&j| hashes[j as usize]);
             }
             self.indexed = n;
         }
@@ -235,7 +246,7 @@ impl Record {
         let key_of = |i: usize| &keys[i * kl..(i + 1) * kl];
         let found = match self.index.find(hash, |&i| key_eq(key_of(i as usize), key)) {
             Some(&i) => i as usize,
-            None => scan(&entries[self.indexed..n], hash, |i| {
+            None => scan(&hashes[self.indexed..n], hash, |i| {
                 key_eq(key_of(self.indexed + i), key)
             })
             .map(|i| self.indexed + i)?,
@@ -248,12 +259,12 @@ impl Record {
     #[inline(always)]
     fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64) -> u32 {
         let i = self.len() as u32;
-        let above = self.entries.last().is_none_or(|e| e.position < position);
+        let above = self.positions.last().is_none_or(|&p| p < position);
         self.ascending &= position != NO_POS && above;
         append_key(&mut self.keys, key);
+        self.hashes.push(hash);
+        self.positions.push(position);
         self.entries.push(Entry {
-            hash,
-            position,
             id,
             flags: 0,
             offer: 0,
@@ -286,8 +297,8 @@ impl Record {
         }
         self.big_filter.clear();
         self.big_filter.resize(words, 0);
-        for e in &self.entries {
-            let (w, bit) = filter_bit(e.hash, words);
+        for &h in &self.hashes {
+            let (w, bit) = filter_bit(h, words);
             self.big_filter[w] |= bit;
         }
         self.loose = false;
@@ -297,7 +308,7 @@ impl Record {
     /// yet, none twice) in order, each with `flags` and store offer `offer`; returns the index
     /// of the first.
     pub fn append(&mut self, run: Run<'_>, indices: &[u32], flags: u8, offer: u32) -> u32 {
-        self.append_with_ids(run, indices, flags, offer, |_, i| run.ids[i])
+        self.append_with_ids(run, indices, flags, offer, Ids::OfRun)
     }
 
     /// [`Self::append`] of keys a store has just inserted: the `j`-th key of `indices` is
@@ -311,10 +322,10 @@ impl Record {
         offer: u32,
     ) -> u32 {
         debug_assert_eq!(indices.len(), slots.len());
-        self.append_with_ids(run, indices, flags, offer, |j, _| slots[j])
+        self.append_with_ids(run, indices, flags, offer, Ids::Given(slots))
     }
 
-    /// [`Self::append`] with the `j`-th key's (input index `i`) id `id(j, i)`.
+    /// [`Self::append`] with the keys' ids from `ids`.
     #[inline(always)]
     fn append_with_ids(
         &mut self,
@@ -322,48 +333,52 @@ impl Record {
         indices: &[u32],
         flags: u8,
         offer: u32,
-        id: impl Fn(usize, usize) -> u32,
+        ids: Ids<'_>,
     ) -> u32 {
         let (base, m) = (self.len(), indices.len());
         let (Some(&a), Some(&b)) = (indices.first(), indices.last()) else {
             return base as u32;
         };
-        let kl = run.key_len;
+        let (kl, before) = (run.key_len, self.positions.last().copied());
         if b - a + 1 == m as u32 && m > 4 {
-            // A longer contiguous run of the call's keys (the usual case): one copy of the
-            // bytes; a short run is copied key by key (cheaper than a call to copy).
-            let (a, b) = (a as usize * kl, (b as usize + 1) * kl);
-            self.keys.extend_from_slice(&run.keys[a..b]);
+            // A longer contiguous run of the call's keys (the usual case): one copy per field;
+            // a short run is copied key by key (cheaper than calls to copy).
+            let r = a as usize..b as usize + 1;
+            self.keys
+                .extend_from_slice(&run.keys[r.start * kl..r.end * kl]);
+            self.hashes.extend_from_slice(&run.hashes[r.clone()]);
+            let entry = |&id| Entry { id, flags, offer };
+            match ids {
+                Ids::OfRun => self.entries.extend(run.ids[r.clone()].iter().map(entry)),
+                Ids::Given(ids) => self.entries.extend(ids.iter().map(entry)),
+            }
+            if let Some(p) = run.positions.get(r) {
+                self.positions.extend_from_slice(p);
+            }
         } else {
-            self.keys.reserve(m * kl);
-            for &i in indices {
-                append_key(
-                    &mut self.keys,
-                    &run.keys[i as usize * kl..(i as usize + 1) * kl],
-                );
+            for (j, &i) in indices.iter().enumerate() {
+                let i = i as usize;
+                append_key(&mut self.keys, &run.keys[i * kl..(i + 1) * kl]);
+                self.hashes.push(run.hashes[i]);
+                let id = match ids {
+                    Ids::OfRun => run.ids[i],
+                    Ids::Given(ids) => ids[j],
+                };
+                self.entries.push(Entry { id, flags, offer });
+                if let Some(&p) = run.positions.get(i) {
+                    self.positions.push(p);
+                }
             }
         }
         // Positions are given for every key of a run or for none.
-        let mut ascending = self.ascending && !run.positions.is_empty();
-        let mut before = self.entries.last().map(|e| e.position);
-        self.entries.reserve(m);
-        for (j, &i) in indices.iter().enumerate() {
-            let i = i as usize;
-            let position = run.positions.get(i).copied().unwrap_or(NO_POS);
-            ascending &= before.is_none_or(|p| p < position);
-            before = Some(position);
-            self.entries.push(Entry {
-                hash: run.hashes[i],
-                position,
-                id: id(j, i),
-                flags,
-                offer,
-            });
-        }
         if run.positions.is_empty() {
+            self.positions.resize(base + m, NO_POS);
             self.unpositioned += m;
+            self.ascending = false;
+        } else if self.ascending {
+            let new = &self.positions[base..];
+            self.ascending = before.is_none_or(|p| p < new[0]) && new.is_sorted_by(|x, y| x < y);
         }
-        self.ascending = ascending;
         self.fit_filter();
         base as u32
     }
@@ -402,12 +417,12 @@ impl Record {
         let Some(i) = seen else {
             return (self.push(hash, key, id, position), true);
         };
-        let e = &mut self.entries[i as usize];
-        if e.position == NO_POS && position != NO_POS {
-            e.position = position;
+        let p = &mut self.positions[i as usize];
+        if *p == NO_POS && position != NO_POS {
+            *p = position;
             self.unpositioned -= 1;
         }
-        e.id = id;
+        self.entries[i as usize].id = id;
         (i, false)
     }
 
@@ -458,12 +473,14 @@ impl Record {
         } else if self.loose || self.len() > FILTER_CLEAR_KEYS {
             self.filter = [0; FILTER_MIN_WORDS];
         } else {
-            for e in &self.entries {
-                self.filter[filter_bit(e.hash, FILTER_MIN_WORDS).0] = 0;
+            for &h in &self.hashes {
+                self.filter[filter_bit(h, FILTER_MIN_WORDS).0] = 0;
             }
         }
         self.loose = false;
         self.keys.clear();
+        self.hashes.clear();
+        self.positions.clear();
         self.entries.clear();
         self.unpositioned = 0;
         self.ascending = true;
@@ -542,8 +559,9 @@ impl Records {
     pub fn check(&self, key_len: usize, table: &KeyTable) -> std::result::Result<(), String> {
         for (i, r) in self.records.iter().enumerate().filter(|(_, r)| r.active) {
             let n = r.len();
-            let positions: Vec<u64> = r.entries.iter().map(|e| e.position).collect();
+            let positions = &r.positions;
             if r.keys.len() != n * key_len
+                || [positions.len(), r.entries.len()] != [n; 2]
                 || r.indexed > n
                 || r.cursor > n
                 || r.index.len() != r.indexed
@@ -552,7 +570,7 @@ impl Records {
             {
                 return Err(format!("request record {i}: inconsistent lengths"));
             }
-            for (j, h) in r.entries.iter().map(|e| e.hash).enumerate() {
+            for (j, &h) in r.hashes.iter().enumerate() {
                 let key = r.key(j, key_len);
                 let f = r.filter_words();
                 let (w, bit) = filter_bit(h, f.len());
@@ -646,14 +664,11 @@ mod tests {
         assert_eq!(r.unpositioned, 1);
         let seen = r.find(hash(1), &key(1));
         assert_eq!(r.observe(seen, hash(1), &key(1), 6, 32), (0, false));
-        assert_eq!((r.entries[0].position, r.entries[0].id), (32, 6));
+        assert_eq!((r.positions[0], r.entries[0].id), (32, 6));
         assert_eq!(r.unpositioned, 0);
         let seen = r.find(hash(1), &key(1));
         r.observe(seen, hash(1), &key(1), 7, 48);
-        assert_eq!(
-            (r.entries[0].position, r.entries[0].id, r.len()),
-            (32, 7, 1)
-        );
+        assert_eq!((r.positions[0], r.entries[0].id, r.len()), (32, 7, 1));
         // The group is the key's last four bytes.
         assert_eq!(group_of(r.key(0, 8)), 1);
         r.reset(1);

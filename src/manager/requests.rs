@@ -211,7 +211,7 @@ impl Manager {
             if !order.is_sorted_by_key(group) {
                 order.sort_by_key(group);
             }
-            let position = |j: &u32| rec.entries[*j as usize].position;
+            let position = |j: &u32| rec.positions[*j as usize];
             if rec.unpositioned == 0 {
                 if !order.is_sorted_by_key(position) {
                     order.sort_by_key(position);
@@ -219,10 +219,7 @@ impl Manager {
             } else {
                 // vLLM 0.33 sorts each group whose keys all have a position.
                 for run in order.chunk_by_mut(|a, b| group(a) == group(b)) {
-                    if run
-                        .iter()
-                        .all(|&j| rec.entries[j as usize].position != NO_POS)
-                    {
+                    if run.iter().all(|&j| rec.positions[j as usize] != NO_POS) {
                         run.sort_by_key(position);
                     }
                 }
@@ -232,7 +229,7 @@ impl Manager {
         self.scratch_flags.clear();
         for &j in &self.scratch_order {
             let (key, e) = (rec.key(j as usize, kl), &rec.entries[j as usize]);
-            let id = e.id;
+            let (id, hash) = (e.id, rec.hashes[j as usize]);
             let kept = self
                 .slots
                 .get(id as usize)
@@ -241,7 +238,7 @@ impl Manager {
                 id
             } else {
                 self.keys
-                    .find_hashed(e.hash, key)
+                    .find_hashed(hash, key)
                     .map_or(NO_ID, |e| self.policy.id_of_entry(e))
             };
             self.scratch_access_ids.push(id);
