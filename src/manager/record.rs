@@ -21,7 +21,7 @@ pub(super) const STORE_MISS: u8 = 4;
 /// Words (of 64 bits) of a record's filter of key hashes at first; the filter grows fourfold
 /// whenever its keys exceed one in [`FILTER_BITS_PER_KEY`] bits, so that a key not recorded
 /// passes it rarely whatever the record's length.
-const FILTER_MIN_WORDS: usize = 16;
+const FILTER_MIN_WORDS: usize = 64;
 const FILTER_BITS_PER_KEY: usize = 16;
 
 /// Records of at most this many keys clear their filter word by word at a reset.
