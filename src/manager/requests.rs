@@ -278,7 +278,11 @@ fn check_positions(positions: &[u64], n: usize) -> Result<()> {
             positions.len()
         ));
     }
-    if let Some(i) = positions.iter().position(|&p| p == NO_POS) {
+    // Every position compared without a branch (the usual answer: none is reserved), then the
+    // first reserved one found.
+    if positions.iter().fold(false, |any, &p| any | (p == NO_POS))
+        && let Some(i) = positions.iter().position(|&p| p == NO_POS)
+    {
         return Err(Error::InvalidArgument(format!(
             "positions[{i}]: {} is reserved for \"no position\"",
             NO_POS

@@ -281,7 +281,13 @@ impl Manager {
         if !self.scratch_misses.is_empty() {
             self.policy.on_store_miss(&self.scratch_misses);
         }
-        if accessed {
+        // A request rank the access would take only because the request has none is taken by
+        // the insertion of the first new key instead (every key has a position, and nothing in
+        // between takes a rank), or after the call if nothing is inserted.
+        let rank_pending = accessed
+            && self.scratch_access_ids.is_empty()
+            && (rec.rank != NO_ID || !positions.is_empty());
+        if accessed && !rank_pending {
             self.policy.on_request_access(
                 &self.scratch_access_ids,
                 &self.scratch_access_pos,
@@ -297,14 +303,23 @@ impl Manager {
         }
         self.stats.stores_skipped += self.scratch_filtered.len() as u64;
         let to_store = self.scratch_new.len();
+        let rec = self.records.current(i, self.generation);
         if to_store == 0 {
+            if rank_pending {
+                self.policy
+                    .on_request_access(&[], &[], &mut rec.rank, &self.keys);
+            }
             return Ok(StoreCounts::default());
         }
         self.stats.record_allocation(to_store);
-        let mut rank = self.records.current(i, self.generation).rank;
+        let mut rank = rec.rank;
         let counts = self
             .make_room(to_store, out_evicted)
             .and_then(|_| self.insert_new(keys, positions, out_indices, out_slots, &mut rank));
+        if rank_pending && rank == NO_ID {
+            self.policy
+                .on_request_access(&[], &[], &mut rank, &self.keys);
+        }
         let rec = self.records.current(i, self.generation);
         let run = Run {
             keys,
@@ -314,6 +329,7 @@ impl Manager {
             positions,
         };
         let tail_keys = &self.scratch_new[tail..];
+        rec.rank = rank;
         let counts = match counts {
             Ok(c) => c,
             Err(e) => {
@@ -321,7 +337,6 @@ impl Manager {
                 return Err(e);
             }
         };
-        rec.rank = rank;
         for (&j, &slot) in self.scratch_entries.iter().zip(&out_slots[..tail]) {
             let e = &mut rec.entries[j as usize];
             e.flags |= INSERTED;

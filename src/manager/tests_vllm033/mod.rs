@@ -518,6 +518,26 @@ fn lru_request_rank_is_lazy_and_never_makes_a_key_older() {
     assert_eq!(t.eviction_order(), ks(&[1]));
 }
 
+/// A request's first offer takes its rank even when the store finds no room: its keys stored
+/// later rank by that number, before the keys of requests ranked after it.
+#[test]
+fn lru_request_rank_is_taken_by_an_offer_that_finds_no_room() {
+    let mut t = T::new(V033, Policy::Lru, 2);
+    t.pos("P", &[(g(1, 0), 16), (g(2, 0), 32)]);
+    assert_eq!(t.ps("P", &ks(&[1, 2])), stored(&[1, 2], &[0, 1], &[]));
+    assert_eq!(t.rank(g(1, 0)), (1, -16));
+    // Both slots are in flight: no room; A takes rank 2 all the same.
+    t.pos("A", &[(g(3, 0), 16)]);
+    assert_eq!(t.ps("A", &ks(&[3])), None);
+    t.cs(&ks(&[1, 2]), true);
+    t.finish("P");
+    assert_eq!((t.rank(g(1, 0)), t.rank(g(2, 0))), ((4, 0), (3, 0)));
+    assert_eq!(t.ps("A", &ks(&[3])), stored(&[3], &[1], &[2]));
+    assert_eq!(t.rank(g(3, 0)), (2, -16));
+    t.cs(&ks(&[3]), true);
+    assert_eq!(t.eviction_order(), ks(&[3, 1]));
+}
+
 #[test]
 fn lru_equal_ranks_are_ordered_by_key_bytes() {
     let mut t = T::new(V033, Policy::Lru, 4);
