@@ -12,6 +12,11 @@
 //! the back when the number is taken) between which the request's provisional keys are kept
 //! sorted by `(minor, key bytes)`. Node ids are the slots, then the anchors' sentinels.
 //!
+//! An anchor taken by the store of its first key holds that key without sentinels: the key
+//! lies where the sentinels would, at the back, and marks the anchor's place. The sentinels are
+//! linked around it when a second key comes or before it leaves (the anchor keeps its place),
+//! so a request storing a single key (one chunk) links none.
+//!
 //! A request's commit gives its present keys fresh ranks tail first. When its positions are
 //! distinct and its anchor was given every one of its keys and lost none (the usual request),
 //! the anchor holds exactly those keys in that order: they take their ranks as they lie and
@@ -50,12 +55,24 @@ impl Default for Ranked {
     }
 }
 
-/// Keys an anchor was given and keys that left it since it was taken: a commit can take the
-/// anchor's keys as they lie when none left and it was given every key of its request.
-#[derive(Debug, Clone, Copy, Default)]
+/// Keys an anchor was given and keys that left it since it was taken (a commit can take the
+/// anchor's keys as they lie when none left and it was given every key of its request), and
+/// its only key while its sentinels are not linked ([`NO_ID`]: they are, or it is free).
+#[derive(Debug, Clone, Copy)]
 struct AnchorCount {
     placed: u32,
     left: u32,
+    single: u32,
+}
+
+impl Default for AnchorCount {
+    fn default() -> Self {
+        Self {
+            placed: 0,
+            left: 0,
+            single: NO_ID,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -95,11 +112,28 @@ impl RankedLruPolicy {
     #[inline(always)]
     fn take_out(&mut self, s: u32, staying: u32) {
         let a = self.links.data(s).anchor;
-        if a != NO_ID && a != staying {
+        if a != NO_ID {
             let i = self.anchor_index(a);
-            self.counts[i].left += 1;
+            if self.counts[i].single != NO_ID {
+                self.link_sentinels(a);
+            }
+            if a != staying {
+                self.counts[i].left += 1;
+            }
         }
         self.links.unlink(&mut self.list, s);
+    }
+
+    /// Links the sentinels of single-key anchor `a` around its key.
+    #[inline(never)]
+    fn link_sentinels(&mut self, a: u32) {
+        let i = self.anchor_index(a);
+        let s = std::mem::replace(&mut self.counts[i].single, NO_ID);
+        self.links.insert_before(&mut self.list, s, a);
+        match self.links.next(s) {
+            NO_ID => self.links.push_back(&mut self.list, a + 1),
+            n => self.links.insert_before(&mut self.list, n, a + 1),
+        }
     }
 
     #[inline]
@@ -124,6 +158,35 @@ impl RankedLruPolicy {
 
     /// A new anchor with a fresh number, at the back; returns its first sentinel.
     fn take_anchor(&mut self) -> u32 {
+        let a = self.new_anchor();
+        for id in [a, a + 1] {
+            self.links.push_back(&mut self.list, id);
+        }
+        a
+    }
+
+    /// A new anchor with a fresh number holding slot `s` (in no list; pushed to the back) at
+    /// `minor`, its sentinels not linked; returns its first sentinel.
+    fn take_anchor_with(&mut self, s: u32, minor: u64) -> u32 {
+        let a = self.new_anchor();
+        let i = self.anchor_index(a);
+        self.counts[i] = AnchorCount {
+            placed: 1,
+            left: 0,
+            single: s,
+        };
+        let rank = Rank {
+            major: self.links.data(a).rank.major,
+            minor,
+        };
+        *self.links.data_mut(s) = Ranked { rank, anchor: a };
+        self.links.push_back(&mut self.list, s);
+        a
+    }
+
+    /// An anchor with a fresh number and no key, its sentinels in no list.
+    #[inline]
+    fn new_anchor(&mut self) -> u32 {
         let a = self.free_anchors.pop().unwrap_or_else(|| {
             let a = self.num_slots + 2 * self.anchors_made;
             self.anchors_made += 1;
@@ -134,7 +197,6 @@ impl RankedLruPolicy {
         let major = self.fresh();
         for id in [a, a + 1] {
             self.links.data_mut(id).rank = Rank { major, minor: 0 };
-            self.links.push_back(&mut self.list, id);
         }
         let i = self.anchor_index(a);
         self.counts[i] = AnchorCount::default();
@@ -170,6 +232,9 @@ impl RankedLruPolicy {
     fn place_unlinked(&mut self, s: u32, a: u32, minor: u64, keys: &KeyTable) {
         debug_assert!(!self.links.is_linked(s), "slot {s} is linked");
         let i = self.anchor_index(a);
+        if self.counts[i].single != NO_ID {
+            self.link_sentinels(a);
+        }
         self.counts[i].placed += 1;
         let rank = Rank {
             major: self.links.data(a).rank.major,
@@ -216,10 +281,28 @@ impl RankedLruPolicy {
 
     /// Frees anchor `a`, whose keys have all left it.
     fn release_anchor(&mut self, a: u32) {
+        if self.counts[self.anchor_index(a)].single != NO_ID {
+            self.link_sentinels(a);
+        }
         debug_assert_eq!(self.links.next(a), a + 1, "anchor {a} still holds keys");
         for id in [a, a + 1] {
             self.links.unlink(&mut self.list, id);
         }
+        self.free_anchors.push(a);
+    }
+
+    /// The commit of single-key anchor `a`: its key takes a fresh rank (it goes to the back)
+    /// and the anchor is freed.
+    #[inline(never)]
+    fn commit_single(&mut self, a: u32) {
+        let i = self.anchor_index(a);
+        let s = std::mem::replace(&mut self.counts[i].single, NO_ID);
+        let major = self.fresh();
+        *self.links.data_mut(s) = Ranked {
+            rank: Rank { major, minor: 0 },
+            anchor: NO_ID,
+        };
+        self.links.move_to_back(&mut self.list, s);
         self.free_anchors.push(a);
     }
 
@@ -301,9 +384,10 @@ impl EvictionPolicy for RankedLruPolicy {
         rank: &mut u32,
     ) {
         let kl = new.key_len;
-        // The anchor's first key when this call put it there, with its rank, and the keys
-        // linked in front of it since (counted at the end).
-        let (mut front, mut placed) = (None::<(u32, Rank)>, 0);
+        // The anchor's first key when this call put it there, with its rank, the keys linked
+        // in front of it since (counted at the end), and whether the anchor was taken with it
+        // (then its sentinels are linked when a second key comes).
+        let (mut front, mut placed, mut single) = (None::<(u32, Rank)>, 0, false);
         for (out, &i) in out.iter_mut().zip(new.indices) {
             let slot = pool.alloc();
             keys.insert_hashed(new.hashes[i as usize], slot, key_at(new.keys, kl, i));
@@ -313,6 +397,9 @@ impl EvictionPolicy for RankedLruPolicy {
                     let minor = minor_of(p);
                     front = match front {
                         Some((f, r)) if minor < r.minor => {
+                            if std::mem::take(&mut single) {
+                                self.link_sentinels(*rank);
+                            }
                             let r = Rank { minor, ..r };
                             *self.links.data_mut(slot) = Ranked {
                                 rank: r,
@@ -322,10 +409,13 @@ impl EvictionPolicy for RankedLruPolicy {
                             placed += 1;
                             Some((slot, r))
                         }
+                        _ if *rank == NO_ID => {
+                            *rank = self.take_anchor_with(slot, minor);
+                            single = true;
+                            Some((slot, self.rank_of(slot)))
+                        }
                         _ => {
-                            if *rank == NO_ID {
-                                *rank = self.take_anchor();
-                            }
+                            single = false;
                             self.place_unlinked(slot, *rank, minor, keys);
                             let first = self.links.next(*rank) == slot;
                             first.then(|| (slot, self.rank_of(slot)))
@@ -405,6 +495,10 @@ impl EvictionPolicy for RankedLruPolicy {
     fn commit_in_anchor_order(&mut self, rank: u32, keys: usize) -> bool {
         if !self.anchor_holds(rank, keys) {
             return false;
+        }
+        if self.counts[self.anchor_index(rank)].single != NO_ID {
+            self.commit_single(rank);
+            return true;
         }
         let (first, end) = (self.links.next(rank), rank + 1);
         if first != end {
@@ -489,7 +583,15 @@ impl EvictionPolicy for RankedLruPolicy {
                     Some((a, n)) if self.rank_of(*a).major == r.major && anchor == *a => *n += 1,
                     Some(_) => return Err(format!("slot {c} sits in another request's anchor")),
                     None if anchor != NO_ID => {
-                        return Err(format!("slot {c} names anchor {anchor} outside it"));
+                        // A single-key anchor: its only key, of its major, its sentinels apart.
+                        let k = self.counts[self.anchor_index(anchor)];
+                        if k.single != c
+                            || self.rank_of(anchor).major != r.major
+                            || self.links.is_linked(anchor)
+                            || k.placed.checked_sub(k.left) != Some(1)
+                        {
+                            return Err(format!("slot {c} names anchor {anchor} outside it"));
+                        }
                     }
                     None => {}
                 }

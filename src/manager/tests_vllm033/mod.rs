@@ -538,6 +538,67 @@ fn lru_request_rank_is_taken_by_an_offer_that_finds_no_room() {
     assert_eq!(t.eviction_order(), ks(&[3, 1]));
 }
 
+/// A request that stores one key holds it in its anchor without sentinels; the anchor keeps its
+/// place when a second key comes later, when the key is evicted, and when another request's
+/// access moves the key; its commit gives the key a fresh rank.
+#[test]
+fn lru_a_single_key_anchor_keeps_its_place() {
+    // A second key in a later call ranks beside the first, before a later request's keys.
+    let mut t = T::new(V033, Policy::Lru, 4);
+    t.pos("A", &[(g(1, 0), 16), (g(2, 0), 32)]);
+    assert!(t.ps("A", &ks(&[1])).is_some());
+    t.pos("B", &[(g(3, 0), 16)]);
+    assert!(t.ps("B", &ks(&[3])).is_some());
+    assert!(t.ps("A", &ks(&[2])).is_some());
+    t.cs(&ks(&[1, 2, 3]), true);
+    assert_eq!((t.rank(g(1, 0)), t.rank(g(2, 0))), ((1, -16), (1, -32)));
+    assert_eq!(t.eviction_order(), ks(&[2, 1, 3]));
+    t.finish("A");
+    assert_eq!(t.eviction_order(), ks(&[3, 2, 1]));
+
+    // The only key evicted: the request's next key still ranks by its number.
+    let mut t = T::new(V033, Policy::Lru, 2);
+    t.pos("A", &[(g(1, 0), 16), (g(5, 0), 32)]);
+    assert_eq!(t.ps("A", &ks(&[1])), stored(&[1], &[0], &[]));
+    t.pos("B", &[(g(2, 0), 16)]);
+    assert_eq!(t.ps("B", &ks(&[2])), stored(&[2], &[1], &[]));
+    t.cs(&ks(&[1, 2]), true);
+    assert_eq!(t.ps("", &ks(&[3])), stored(&[3], &[0], &[1]));
+    t.cs(&ks(&[3]), true);
+    assert_eq!(t.ps("A", &ks(&[5])), stored(&[5], &[1], &[2]));
+    t.cs(&ks(&[5]), true);
+    assert_eq!(t.rank(g(5, 0)), (1, -32));
+    assert_eq!(t.eviction_order(), ks(&[5, 3]));
+
+    // The only key raised into a later request's anchor: the anchor stays, empty, at its place.
+    let mut t = T::new(V033, Policy::Lru, 4);
+    t.pos("A", &[(g(1, 0), 16), (g(4, 0), 32)]);
+    assert!(t.ps("A", &ks(&[1])).is_some());
+    t.cs(&ks(&[1]), true);
+    t.pos("C", &[(g(1, 0), 16), (g(2, 0), 32)]);
+    assert!(t.ps("C", &ks(&[2])).is_some());
+    t.pl("C", &ks(&[1]));
+    t.cl(&ks(&[1]));
+    assert_eq!(t.rank(g(1, 0)), (2, -16));
+    assert!(t.ps("A", &ks(&[4])).is_some());
+    t.cs(&ks(&[2, 4]), true);
+    assert_eq!(t.eviction_order(), ks(&[4, 2, 1]));
+    // A's commit: the key that left is committed again, after the anchor's own.
+    t.finish("A");
+    assert_eq!(t.eviction_order(), ks(&[2, 4, 1]));
+
+    // The commit of a single key: a fresh rank, newest.
+    let mut t = T::new(V033, Policy::Lru, 4);
+    t.pos("A", &[(g(1, 0), 16)]);
+    assert!(t.ps("A", &ks(&[1])).is_some());
+    t.pos("B", &[(g(2, 0), 16)]);
+    assert!(t.ps("B", &ks(&[2])).is_some());
+    t.cs(&ks(&[1, 2]), true);
+    t.finish("A");
+    assert_eq!(t.rank(g(1, 0)), (3, 0));
+    assert_eq!(t.eviction_order(), ks(&[2, 1]));
+}
+
 #[test]
 fn lru_equal_ranks_are_ordered_by_key_bytes() {
     let mut t = T::new(V033, Policy::Lru, 4);
