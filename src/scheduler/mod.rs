@@ -53,6 +53,8 @@ pub struct Scheduler {
     /// Jobs to flush in the next step.
     flush: Vec<u64>,
     stats: SchedulerStats,
+    /// Outputs of the store calls; its buffers keep their longest length (see
+    /// `build_store_job`).
     plan: StorePlan,
     scratch_slots: Vec<u32>,
     scratch_counts: HashMap<u64, u32>,

@@ -218,6 +218,15 @@ impl Scheduler {
         }
         let candidates = r.keys_of(kl, start, n);
         self.manager.seed_hashes(candidates, r.hashes_of(start, n));
+        // The plan's buffers keep their longest length; the call's outputs are their fronts.
+        let plan = &mut self.plan;
+        let m = (n - start) as usize;
+        if plan.indices.len() < m {
+            plan.indices.resize(m, 0);
+            plan.slots.resize(m, 0);
+            plan.evicted.resize(m * kl, 0);
+        }
+        let (ix, slots, evicted) = (&mut plan.indices, &mut plan.slots, &mut plan.evicted);
         let stored = match r.record {
             Some(record) => {
                 self.scratch_positions.clear();
@@ -225,10 +234,13 @@ impl Scheduler {
                     .extend((start..n).map(|c| super::Request::position(c, ct)));
                 let p = &self.scratch_positions;
                 self.manager
-                    .prepare_store_for(record, candidates, p, &mut self.plan)
+                    .prepare_store_for_into(record, candidates, p, ix, slots, evicted)
             }
-            None => self.manager.prepare_store(candidates, &mut self.plan),
+            None => self
+                .manager
+                .prepare_store_into(candidates, ix, slots, evicted),
         };
+        let stored_n = stored.as_ref().map_or(0, |c| c.stored);
         match stored {
             Err(Error::NoRoom(_)) => {
                 self.stats.store_no_room += 1;
@@ -252,7 +264,7 @@ impl Scheduler {
             take_cleared(&mut self.spare_keys),
             take_cleared(&mut self.spare_blocks),
         );
-        let ix = &self.plan.indices;
+        let ix = &self.plan.indices[..stored_n];
         let (first, last) = (
             start as usize + ix[0] as usize,
             start as usize + ix[ix.len() - 1] as usize,
@@ -275,7 +287,7 @@ impl Scheduler {
             id,
             (first * f) as u32,
             &blocks,
-            &self.plan.slots,
+            &self.plan.slots[..stored_n],
         );
         r.jobs.push(job_id);
         r.next_stored_chunk = n;
@@ -288,7 +300,7 @@ impl Scheduler {
             failed: false,
             keys,
             gpu_blocks: blocks,
-            slots: take_filled(&mut self.spare_blocks, &self.plan.slots),
+            slots: take_filled(&mut self.spare_blocks, &self.plan.slots[..stored_n]),
             tokens: (0, 0),
             first_chunk: first as u64,
             released: false,
