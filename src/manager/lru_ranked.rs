@@ -462,16 +462,39 @@ impl EvictionPolicy for RankedLruPolicy {
         if *rank == NO_ID {
             *rank = self.take_anchor();
         }
-        let major = self.rank_of(*rank).major;
+        let (a, major) = (*rank, self.rank_of(*rank).major);
+        // As in `insert_all`: the anchor's first key when this call put it there, and the keys
+        // linked in front of it since (counted at the end).
+        let (mut front, mut placed) = (None::<(u32, u64)>, 0);
         for (&s, &p) in ids.iter().zip(positions) {
             debug_assert!(self.is_slot(s) && p != NO_POS, "slot {s} at {p}");
             let provisional = Rank {
                 major,
                 minor: minor_of(p),
             };
-            if provisional > self.rank_of(s) {
-                self.place(s, *rank, provisional.minor, keys);
+            if provisional <= self.rank_of(s) {
+                continue;
             }
+            match front {
+                Some((f, minor)) if provisional.minor < minor && self.links.data(s).anchor != a => {
+                    self.take_out(s, NO_ID);
+                    *self.links.data_mut(s) = Ranked {
+                        rank: provisional,
+                        anchor: a,
+                    };
+                    self.links.insert_before(&mut self.list, f, s);
+                    placed += 1;
+                    front = Some((s, provisional.minor));
+                }
+                _ => {
+                    self.place(s, a, provisional.minor, keys);
+                    front = (self.links.next(a) == s).then_some((s, provisional.minor));
+                }
+            }
+        }
+        if placed > 0 {
+            let i = self.anchor_index(a);
+            self.counts[i].placed += placed;
         }
     }
 
