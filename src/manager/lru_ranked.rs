@@ -129,6 +129,7 @@ impl RankedLruPolicy {
     fn link_sentinels(&mut self, a: u32) {
         let i = self.anchor_index(a);
         let s = std::mem::replace(&mut self.counts[i].single, NO_ID);
+        self.links.data_mut(a + 1).rank = self.rank_of(a);
         self.links.insert_before(&mut self.list, s, a);
         match self.links.next(s) {
             NO_ID => self.links.push_back(&mut self.list, a + 1),
@@ -158,7 +159,8 @@ impl RankedLruPolicy {
 
     /// A new anchor with a fresh number, at the back; returns its first sentinel.
     fn take_anchor(&mut self) -> u32 {
-        let a = self.new_anchor();
+        let (a, rank) = self.new_anchor(AnchorCount::default());
+        self.links.data_mut(a + 1).rank = rank;
         for id in [a, a + 1] {
             self.links.push_back(&mut self.list, id);
         }
@@ -168,39 +170,42 @@ impl RankedLruPolicy {
     /// A new anchor with a fresh number holding slot `s` (in no list; pushed to the back) at
     /// `minor`, its sentinels not linked; returns its first sentinel.
     fn take_anchor_with(&mut self, s: u32, minor: u64) -> u32 {
-        let a = self.new_anchor();
-        let i = self.anchor_index(a);
-        self.counts[i] = AnchorCount {
+        let count = AnchorCount {
             placed: 1,
             left: 0,
             single: s,
         };
-        let rank = Rank {
-            major: self.links.data(a).rank.major,
-            minor,
+        let (a, Rank { major, .. }) = self.new_anchor(count);
+        *self.links.data_mut(s) = Ranked {
+            rank: Rank { major, minor },
+            anchor: a,
         };
-        *self.links.data_mut(s) = Ranked { rank, anchor: a };
         self.links.push_back(&mut self.list, s);
         a
     }
 
-    /// An anchor with a fresh number and no key, its sentinels in no list.
+    /// An anchor with a fresh number and `count`, its sentinels in no list (the second
+    /// without its rank yet); returns its first sentinel and rank.
     #[inline]
-    fn new_anchor(&mut self) -> u32 {
-        let a = self.free_anchors.pop().unwrap_or_else(|| {
-            let a = self.num_slots + 2 * self.anchors_made;
-            self.anchors_made += 1;
-            self.links.grow_to(a as usize + 2);
-            self.counts.push(AnchorCount::default());
-            a
-        });
-        let major = self.fresh();
-        for id in [a, a + 1] {
-            self.links.data_mut(id).rank = Rank { major, minor: 0 };
-        }
+    fn new_anchor(&mut self, count: AnchorCount) -> (u32, Rank) {
+        let a = match self.free_anchors.pop() {
+            Some(a) => a,
+            None => {
+                let a = self.num_slots + 2 * self.anchors_made;
+                self.anchors_made += 1;
+                self.links.grow_to(a as usize + 2);
+                self.counts.push(AnchorCount::default());
+                a
+            }
+        };
+        let rank = Rank {
+            major: self.fresh(),
+            minor: 0,
+        };
+        self.links.data_mut(a).rank = rank;
         let i = self.anchor_index(a);
-        self.counts[i] = AnchorCount::default();
-        a
+        self.counts[i] = count;
+        (a, rank)
     }
 
     /// The rank order of slots `a` and `b` with ranks `ra`, `rb` (key bytes break ties).
