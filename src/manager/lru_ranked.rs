@@ -286,9 +286,8 @@ impl RankedLruPolicy {
 
     /// Frees anchor `a`, whose keys have all left it.
     fn release_anchor(&mut self, a: u32) {
-        if self.counts[self.anchor_index(a)].single != NO_ID {
-            self.link_sentinels(a);
-        }
+        let single = self.counts[self.anchor_index(a)].single;
+        debug_assert_eq!(single, NO_ID, "anchor {a} still holds its key");
         debug_assert_eq!(self.links.next(a), a + 1, "anchor {a} still holds keys");
         for id in [a, a + 1] {
             self.links.unlink(&mut self.list, id);
@@ -646,11 +645,28 @@ impl EvictionPolicy for RankedLruPolicy {
                 if last.is_some_and(|l| l.major > r.major) {
                     return Err(format!("anchor {c} out of order"));
                 }
+                // What follows an anchor's start is of its major or newer; what follows its
+                // end, newer.
+                let minor = if first { 0 } else { u64::MAX };
+                last = Some(Rank { minor, ..r });
             }
             c = self.links.next(c);
         }
         if keys_seen != used {
             return Err(format!("ranked LRU lists {keys_seen} keys, {used} used"));
+        }
+        // A single-key anchor is taken, and its key is listed and names it.
+        for (i, k) in self.counts.iter().enumerate() {
+            let a = self.num_slots + 2 * i as u32;
+            let s = k.single;
+            if s != NO_ID
+                && (!self.is_slot(s)
+                    || !self.links.is_linked(s)
+                    || self.links.data(s).anchor != a
+                    || self.free_anchors.contains(&a))
+            {
+                return Err(format!("single-key anchor {a}: its key {s} is not its own"));
+            }
         }
         Ok(())
     }
