@@ -256,6 +256,14 @@ impl RankedLruPolicy {
         self.links.insert_before(&mut self.list, at, s);
     }
 
+    /// Links slot `s` (in no list) with `rank` in anchor `a`, just before `f`, the anchor's
+    /// first key, which ranks after it (the caller counts the placement).
+    #[inline(always)]
+    fn link_in_front(&mut self, s: u32, f: u32, rank: Rank, a: u32) {
+        *self.links.data_mut(s) = Ranked { rank, anchor: a };
+        self.links.insert_before(&mut self.list, f, s);
+    }
+
     /// Where slot `s` of `rank` goes among an anchor's keys `first..end`, not before `first`.
     #[inline(never)]
     fn place_after_first(&self, s: u32, rank: Rank, first: u32, end: u32, keys: &KeyTable) -> u32 {
@@ -405,11 +413,7 @@ impl EvictionPolicy for RankedLruPolicy {
                                 self.link_sentinels(*rank);
                             }
                             let r = Rank { minor, ..r };
-                            *self.links.data_mut(slot) = Ranked {
-                                rank: r,
-                                anchor: *rank,
-                            };
-                            self.links.insert_before(&mut self.list, f, slot);
+                            self.link_in_front(slot, f, r, *rank);
                             placed += 1;
                             Some((slot, r))
                         }
@@ -482,11 +486,7 @@ impl EvictionPolicy for RankedLruPolicy {
             match front {
                 Some((f, minor)) if provisional.minor < minor && self.links.data(s).anchor != a => {
                     self.take_out(s, NO_ID);
-                    *self.links.data_mut(s) = Ranked {
-                        rank: provisional,
-                        anchor: a,
-                    };
-                    self.links.insert_before(&mut self.list, f, s);
+                    self.link_in_front(s, f, provisional, a);
                     placed += 1;
                     front = Some((s, provisional.minor));
                 }

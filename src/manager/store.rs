@@ -305,7 +305,7 @@ impl Manager {
         let to_store = self.scratch_new.len();
         let rec = self.records.current(i, self.generation);
         if to_store == 0 {
-            if rank_pending {
+            if rank_pending && rec.rank == NO_ID {
                 self.policy
                     .on_request_access(&[], &[], &mut rec.rank, &self.keys);
             }
