@@ -107,12 +107,17 @@ pub trait Tier {
 pub fn replay(tier: &mut impl Tier, requests: &[Vec<u8>], key_len: usize) -> ReplayOutcome {
     let v033 = tier.semantics() == Semantics::Vllm033;
     let mut out = ReplayOutcome::default();
-    let mut positions: Vec<u64> = Vec::new();
+    // Block `i`'s position is `i + 1` in every request: the positions of the longest one,
+    // sliced (empty in 0.24 semantics).
+    let longest = requests.iter().map(|k| k.len() / key_len).max();
+    let all_positions: Vec<u64> = match v033 {
+        true => (1..=longest.unwrap_or(0) as u64).collect(),
+        false => Vec::new(),
+    };
     for keys in requests {
         let n = keys.len() / key_len;
+        let positions = all_positions.get(..n).unwrap_or(&[]);
         let hits = if v033 {
-            positions.clear();
-            positions.extend(1..=n as u64);
             tier.begin();
             tier.lookup_prefix(keys)
         } else {
@@ -124,7 +129,7 @@ pub fn replay(tier: &mut impl Tier, requests: &[Vec<u8>], key_len: usize) -> Rep
                 positions.get(..hits).unwrap_or(&[]),
             );
         }
-        match tier.store(keys, &positions) {
+        match tier.store(keys, positions) {
             Some(n) => out.stored_blocks += n as u64,
             None => out.no_room += 1,
         }

@@ -281,6 +281,14 @@ impl Manager {
     fn resolve(&mut self, keys: &[u8]) -> usize {
         let n = keys.len() / self.cfg.key_len;
         self.rebase(keys);
+        self.resolve_to(n);
+        n
+    }
+
+    /// Resolves the first `n` keys of the resolution (after [`Self::rebase`]) into
+    /// `scratch_hash` / `scratch_ids`, as [`Self::resolve`] does all of them.
+    #[inline(always)]
+    fn resolve_to(&mut self, n: usize) {
         self.hash_to(n, false);
         let (kl, found) = (self.cfg.key_len, self.scratch_ids.len());
         if found < n {
@@ -289,7 +297,6 @@ impl Manager {
             self.policy
                 .find_all(&self.keys, keys, &hashes[found..n], ids);
         }
-        n
     }
 
     /// Makes the resolution describe `keys`: when they and the last resolved keys agree on the
@@ -426,21 +433,21 @@ impl Manager {
         let n = self.check_keys(keys, "keys")?;
         let kl = self.cfg.key_len;
         self.rebase(keys);
-        // Hashes run AHEAD keys in front of the lookups, each prefetched when computed; the
-        // keys looked up stay resolved for the calls that follow (a load of the hits).
-        const AHEAD: usize = 8;
+        // The keys are resolved in windows that double (the first 8, then up to 24, 56, ...):
+        // a lookup that misses early resolves little, and what it resolved stays for the calls
+        // that follow (a load of the hits, a store of the keys).
         let (v033, mut out) = (self.v033(), PrefixLookup::default());
         for i in 0..n {
-            self.hash_to((i + AHEAD + 1).min(n), true);
-            let (h, key) = (self.scratch_hash[i], key_at(keys, kl, i as u32));
-            let id = match self.scratch_ids.get(i) {
-                Some(&id) => Some(id).filter(|&s| s != NO_ID),
-                None => {
-                    let id = self.find_hashed(h, key);
-                    self.scratch_ids.push(id.unwrap_or(NO_ID));
-                    id
-                }
-            };
+            if i == self.scratch_ids.len() {
+                let m = (2 * i + 8).min(n);
+                self.hash_to(m, true);
+                self.resolve_to(m);
+            }
+            let (h, key, id) = (
+                self.scratch_hash[i],
+                key_at(keys, kl, i as u32),
+                self.resolved_id(i),
+            );
             match self.count_lookup(v033, h, key, id) {
                 Lookup::Miss => break,
                 Lookup::Retry | Lookup::HitPending => out.retry = true,
