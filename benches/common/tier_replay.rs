@@ -110,9 +110,10 @@ pub fn replay(tier: &mut impl Tier, requests: &[Vec<u8>], key_len: usize) -> Rep
     // Block `i`'s position is `i + 1` in every request: the positions of the longest one,
     // sliced (empty in 0.24 semantics).
     let longest = requests.iter().map(|k| k.len() / key_len).max();
-    let all_positions: Vec<u64> = match v033 {
-        true => (1..=longest.unwrap_or(0) as u64).collect(),
-        false => Vec::new(),
+    let all_positions: Vec<u64> = if v033 {
+        (1..=longest.unwrap_or(0) as u64).collect()
+    } else {
+        Vec::new()
     };
     for keys in requests {
         let n = keys.len() / key_len;

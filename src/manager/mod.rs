@@ -281,15 +281,16 @@ impl Manager {
     fn resolve(&mut self, keys: &[u8]) -> usize {
         let n = keys.len() / self.cfg.key_len;
         self.rebase(keys);
-        self.resolve_to(n);
+        self.resolve_to(n, false);
         n
     }
 
     /// Resolves the first `n` keys of the resolution (after [`Self::rebase`]) into
-    /// `scratch_hash` / `scratch_ids`, as [`Self::resolve`] does all of them.
+    /// `scratch_hash` / `scratch_ids`, as [`Self::resolve`] does all of them; new hashes are
+    /// prefetched as by [`Self::hash_to`] with `prefetch`.
     #[inline(always)]
-    fn resolve_to(&mut self, n: usize) {
-        self.hash_to(n, false);
+    fn resolve_to(&mut self, n: usize, prefetch: bool) {
+        self.hash_to(n, prefetch);
         let (kl, found) = (self.cfg.key_len, self.scratch_ids.len());
         if found < n {
             let (keys, hashes) = (&self.resolved_keys[found * kl..n * kl], &self.scratch_hash);
@@ -439,9 +440,7 @@ impl Manager {
         let (v033, mut out) = (self.v033(), PrefixLookup::default());
         for i in 0..n {
             if i == self.scratch_ids.len() {
-                let m = (2 * i + 8).min(n);
-                self.hash_to(m, true);
-                self.resolve_to(m);
+                self.resolve_to((2 * i + 8).min(n), true);
             }
             let (h, key, id) = (
                 self.scratch_hash[i],

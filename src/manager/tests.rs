@@ -660,6 +660,37 @@ fn stored(m: &mut Manager, ks: &[u64]) {
     m.complete_store(&keys(ks), true).unwrap();
 }
 
+/// `lookup_prefix` resolves its keys in windows (8, then up to 24, 56, ...): the answer is the
+/// maximal prefix wherever the first miss lies, each key before it and the miss itself are
+/// counted once, a key in flight past the first window asks for a retry, and a load of the hits
+/// that follows gets each hit's own slot.
+#[test]
+fn prefix_lookup_answers_alike_in_every_window() {
+    let mut m = mgr(128, Policy::Lru);
+    let all: Vec<u64> = (0..100).collect();
+    let (_, slots, _) = store(&mut m, &all).unwrap();
+    m.complete_store(&keys(&all), true).unwrap();
+    for miss in [0, 1, 7, 8, 9, 23, 24, 25, 55, 56, 57, 99, 100] {
+        let mut ks = all.clone();
+        if let Some(k) = ks.get_mut(miss) {
+            *k = 1000;
+        }
+        let before = m.stats().lookups;
+        let p = m.lookup_prefix(&keys(&ks)).unwrap();
+        assert_eq!((p.hits, p.retry), (miss, false), "miss at {miss}");
+        assert_eq!(m.stats().lookups - before, (miss + 1).min(100) as u64);
+        let hits = load(&mut m, &ks[..miss]).unwrap();
+        assert_eq!(hits, slots[..miss], "miss at {miss}");
+        m.complete_load(&keys(&ks[..miss])).unwrap();
+    }
+    store(&mut m, &[200]).unwrap();
+    let mut ks = all.clone();
+    ks[40] = 200;
+    let p = m.lookup_prefix(&keys(&ks)).unwrap();
+    assert_eq!((p.hits, p.retry), (100, true));
+    m.check_invariants().unwrap();
+}
+
 #[test]
 fn arc_new_blocks_land_in_t1_and_touch_promotes() {
     let mut m = mgr(4, Policy::Arc);
