@@ -188,9 +188,9 @@ void offload_and_load(kvo::Scheduler &s) {
     s.build_step({&r2, 1}, {}, plan);
     CHECK(jobs(ship(plan)).empty());  // the loaded chunks are not stored again
     s.finish_request(2);
-    // 0.33 keeps a finished request until the next step, which ships its final store jobs
-    // (none here: 6 tokens are not a chunk); 0.24 forgets it at once.
-    CHECK(s.stats().requests == (s.semantics() == KVO_SEMANTICS_VLLM_0_33 ? 1u : 0u));
+    // Nothing in flight and no chunk left for a final store (6 tokens are not a chunk): both
+    // semantics forget the request at once (0.33 commits its record in the next step).
+    CHECK(s.stats().requests == 0);
     s.build_step({}, {}, plan);
     CHECK(plan.info().num_jobs == 0);
 

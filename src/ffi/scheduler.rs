@@ -127,7 +127,8 @@ pub struct kvo_job_report {
 pub struct kvo_scheduler_stats {
     /// `sizeof(kvo_scheduler_stats)` as the caller knows it; only that many bytes are written.
     pub struct_size: usize,
-    /// Requests tracked (including finished ones with jobs in flight).
+    /// Requests tracked (including finished ones with jobs in flight or, in 0.33 semantics, a
+    /// final store due in the next step).
     pub requests: u64,
     /// Matches answered.
     pub matches: u64,

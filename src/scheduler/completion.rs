@@ -8,7 +8,7 @@
 //! Preemption flushes the request's jobs in the same step, which needs no fence; a load not yet
 //! in a step is withdrawn instead (it never ships).
 
-use super::{Direction, Error, JobReport, Request, Result, Scheduler, invalid, recycle};
+use super::{Direction, Error, Finishing, JobReport, Request, Result, Scheduler, invalid, recycle};
 use crate::manager::RequestId;
 
 impl Scheduler {
@@ -144,7 +144,8 @@ impl Scheduler {
     /// in a step is withdrawn (it never ships; its keys are unpinned). In 0.33 semantics the
     /// next [`Self::build_step`] builds the request's final store jobs (the chunks its last step
     /// computed, except chunks on blocks given to another request since), then commits its
-    /// recency to the tier; the rest below follows from there. Without other jobs in
+    /// recency to the tier; the rest below follows from there (a request with no such chunk
+    /// is dropped now, and only its commit waits for that step). Without other jobs in
     /// flight the request's state is dropped now; otherwise when its last job completes, and
     /// until then the GPU blocks those jobs touch (stores read them, loads write them) are
     /// fenced: a step that allocates one of them flushes those jobs, so the worker finishes them
@@ -155,11 +156,20 @@ impl Scheduler {
     pub fn finish_request(&mut self, id: u64) -> Result<()> {
         self.live_request(id)?;
         if self.v033() {
-            // The next step builds its final store jobs from its blocks, then commits it.
+            // The next step builds its final store jobs from its blocks, then commits it; a
+            // request that can have neither is dropped now, its record kept for the commit.
             self.release_blocks(id);
             let r = self.requests.get_mut(&id).expect("checked");
+            if r.jobs.is_empty() && super::step::final_limit(&self.cfg, r) <= r.next_stored_chunk {
+                let mut r = self.requests.remove(&id).expect("checked");
+                if let Some(record) = r.record.take() {
+                    self.finishing.push(Finishing::Record(record));
+                }
+                self.keep_spare(r);
+                return Ok(());
+            }
             (r.finished, r.final_pending) = (true, true);
-            self.finishing.push(id);
+            self.finishing.push(Finishing::Tracked(id));
             return Ok(());
         }
         self.release_blocks(id);
@@ -245,8 +255,11 @@ impl Scheduler {
         self.flush.extend(self.jobs.keys().copied());
         // 0.33: requests finished since the last step are committed (their final stores never
         // happen).
-        for id in std::mem::take(&mut self.finishing) {
-            self.commit(id);
+        for f in std::mem::take(&mut self.finishing) {
+            match f {
+                Finishing::Tracked(id) => self.commit(id),
+                Finishing::Record(record) => self.commit_record(Some(record)),
+            }
         }
         self.requests.retain(|_, r| !r.finished);
         self.manager.reset();

@@ -30,7 +30,7 @@ use crate::manager::{EventLog, Manager, ManagerConfig, Semantics, StorePlan};
 use crate::plan::{Direction, Step};
 use hashbrown::HashMap;
 use jobs::Job;
-use request::Request;
+use request::{Finishing, Request};
 
 /// The scheduler side of KV offloading. Not thread-safe by itself; the C API serializes calls.
 pub struct Scheduler {
@@ -73,7 +73,7 @@ pub struct Scheduler {
     spare_requests: Vec<Box<Request>>,
     /// vLLM 0.33: requests finished since the last step, in finish order; the next step builds
     /// their final store jobs, then commits their records.
-    finishing: Vec<u64>,
+    finishing: Vec<Finishing>,
     /// Key positions of a load or store (0.33), and the GPU blocks allocated since the last
     /// step, sorted (0.33 final stores leave out chunks on such blocks).
     scratch_positions: Vec<u64>,

@@ -61,3 +61,14 @@ impl Request {
         &self.key_hashes[from as usize..to as usize]
     }
 }
+
+/// A request finished since the last step (vLLM 0.33), due for its final store jobs and its
+/// commit in the next one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Finishing {
+    /// Still tracked: a final store may come, or jobs are in flight.
+    Tracked(u64),
+    /// Dropped at its finish (no job in flight, no chunk left that a final store could
+    /// offer): only its record is left to commit.
+    Record(RequestId),
+}

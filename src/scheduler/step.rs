@@ -2,8 +2,8 @@
 //! requests' newly complete chunks, and the flush set.
 
 use super::{
-    Direction, Error, Job, Result, ScheduledRequest, Scheduler, SchedulerConfig, Step, invalid,
-    take_cleared, take_filled,
+    Direction, Error, Finishing, Job, Result, ScheduledRequest, Scheduler, SchedulerConfig, Step,
+    invalid, take_cleared, take_filled,
 };
 use hashbrown::hash_map::Entry;
 
@@ -110,7 +110,11 @@ impl Scheduler {
                 self.jobs.get_mut(&j).expect("in flight").released = true;
             }
         }
-        if !self.finishing.is_empty() {
+        if self
+            .finishing
+            .iter()
+            .any(|f| matches!(f, Finishing::Tracked(_)))
+        {
             // Final stores leave out chunks on blocks given to another request since.
             self.scratch_allocated.clear();
             self.scratch_allocated.extend_from_slice(&self.allocated);
@@ -157,15 +161,23 @@ impl Scheduler {
     /// dropped.
     fn finish_requests(&mut self, step: &mut Step) {
         let finishing = std::mem::take(&mut self.finishing);
-        for &id in &finishing {
-            if let Some(n) = self.final_chunks(id)
+        for &f in &finishing {
+            if let Finishing::Tracked(id) = f
+                && let Some(n) = self.final_chunks(id)
                 && self.build_store_job(id, n, step)
             {
                 // Its blocks are given back: the new job enters the reuse fence at once.
                 self.release_blocks(id);
             }
         }
-        for &id in &finishing {
+        for &f in &finishing {
+            let id = match f {
+                Finishing::Record(record) => {
+                    self.commit_record(Some(record));
+                    continue;
+                }
+                Finishing::Tracked(id) => id,
+            };
             let Entry::Occupied(mut at) = self.requests.entry(id) else {
                 unreachable!("request {id} is finishing")
             };
@@ -189,8 +201,7 @@ impl Scheduler {
     fn final_chunks(&self, id: u64) -> Option<u64> {
         let r = &self.requests[&id];
         let f = self.cfg.block_size_factor as usize;
-        let n = limit_chunks(&self.cfg, r, r.computed.min(r.num_tokens));
-        let n = n.min((r.block_ids.len() / f) as u64);
+        let n = final_limit(&self.cfg, r);
         let n = (r.next_stored_chunk..n)
             .find(|&c| {
                 r.block_ids[c as usize * f..(c as usize + 1) * f]
@@ -321,4 +332,13 @@ fn limit_chunks(cfg: &SchedulerConfig, r: &super::Request, tokens: u64) -> u64 {
         offloadable = offloadable.min(r.prompt_tokens);
     }
     (offloadable / cfg.chunk_tokens()).min(r.num_keys(cfg.key_len))
+}
+
+/// The chunks finished request `r` may offload at most (vLLM 0.33 `_build_store_jobs` of a
+/// finished request, before chunks on blocks given to another request are left out): those
+/// whose KV its last step computed, with the usual limits, on its GPU blocks.
+pub(super) fn final_limit(cfg: &SchedulerConfig, r: &super::Request) -> u64 {
+    let f = cfg.block_size_factor as usize;
+    let n = limit_chunks(cfg, r, r.computed.min(r.num_tokens));
+    n.min((r.block_ids.len() / f) as u64)
 }

@@ -322,6 +322,34 @@ fn a_reset_with_a_store_in_flight_re_offers_from_the_first_chunk() {
     }
 }
 
+/// A request finished with no job in flight and no chunk left for a final store is dropped
+/// at once, and its record is still committed by the next step, after that step's stores: the
+/// store that needs room evicts the finished request's key, which ranks oldest until then.
+#[test]
+fn a_request_with_nothing_left_to_store_is_dropped_at_finish_and_committed_next_step() {
+    let mut t = T::new(cfg(V033, 2));
+    for (id, block) in [(1, 0), (2, 1)] {
+        t.admit(id, id, 4, &[block]);
+        let jobs = t.build(&[sched(id, 0, 4, 4, &[block])], &[]);
+        assert_eq!(jobs[0].1, vec![h(id, 0)]);
+        t.complete(&jobs);
+    }
+    t.evicted();
+    t.s.finish_request(1).unwrap();
+    assert!(t.s.has_jobs_in_flight(1).is_err(), "dropped at once");
+    assert_eq!(t.s.stats().requests, 1);
+    assert_eq!(t.s.manager.num_active_requests(), 2, "not committed yet");
+    assert!(matches!(t.s.finish_request(1), Err(Error::NotFound(_))));
+    t.admit(3, 3, 4, &[2]);
+    let jobs = t.build(&[sched(3, 0, 4, 4, &[2])], &[]);
+    assert_eq!(jobs[0].1, vec![h(3, 0)]);
+    // Committed at finish, request 1's key would have ranked newest and request 2's gone.
+    assert_eq!(t.evicted(), vec![h(1, 0)]);
+    assert_eq!(t.s.manager.num_active_requests(), 2, "requests 2 and 3");
+    t.complete(&jobs);
+    assert!(t.stored(h(2, 0)) && t.stored(h(3, 0)));
+}
+
 /// A request finished while a reset comes before the next step: its record is committed, its
 /// final store never happens, and it is dropped.
 #[test]

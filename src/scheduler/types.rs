@@ -107,7 +107,8 @@ pub struct Recompute {
 /// Counters (cumulative) and gauges of the scheduler and its tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SchedulerStats {
-    /// Requests tracked (including finished ones whose jobs are still in flight).
+    /// Requests tracked (including finished ones whose jobs are still in flight, or, in 0.33
+    /// semantics, whose final store is due in the next step).
     pub requests: u64,
     /// Matches answered.
     pub matches: u64,
