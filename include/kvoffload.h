@@ -657,7 +657,8 @@ typedef struct kvo_scheduler_stats {
    */
   size_t struct_size;
   /**
-   * Requests tracked (including finished ones with jobs in flight).
+   * Requests tracked (including finished ones with jobs in flight or, in 0.33 semantics, a
+   * final store due in the next step).
    */
   uint64_t requests;
   /**
