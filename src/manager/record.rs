@@ -529,6 +529,7 @@ impl Records {
     }
 
     /// Record `i`, emptied first if it is stale (of a generation before `generation`).
+    #[inline]
     pub fn current(&mut self, i: usize, generation: u64) -> &mut Record {
         let r = &mut self.records[i];
         if r.generation != generation {

@@ -52,6 +52,7 @@ impl Manager {
     }
 
     /// A store of request record `req` (`None`: none) with checked `keys` and `positions`.
+    #[inline(always)]
     pub(super) fn prepare_store_checked(
         &mut self,
         req: Option<usize>,
