@@ -155,30 +155,24 @@ impl Scheduler {
     /// finished one, changing nothing.
     pub fn finish_request(&mut self, id: u64) -> Result<()> {
         self.live_request(id)?;
-        if self.v033() {
-            // The next step builds its final store jobs from its blocks, then commits it; a
-            // request that can have neither is dropped now, its record kept for the commit.
-            self.release_blocks(id);
-            let r = self.requests.get_mut(&id).expect("checked");
-            if r.jobs.is_empty() && super::step::final_limit(&self.cfg, r) <= r.next_stored_chunk {
-                let mut r = self.requests.remove(&id).expect("checked");
-                if let Some(record) = r.record.take() {
-                    self.finishing.push(Finishing::Record(record));
-                }
-                self.keep_spare(r);
-                return Ok(());
+        self.release_blocks(id);
+        let v033 = self.v033();
+        let r = self.requests.get_mut(&id).expect("checked");
+        // 0.33: the next step builds its final store jobs from its blocks, then commits it.
+        let final_store = v033 && super::step::final_limit(&self.cfg, r) > r.next_stored_chunk;
+        if final_store || !r.jobs.is_empty() {
+            (r.finished, r.final_pending) = (true, v033);
+            if v033 {
+                self.finishing.push(Finishing::Tracked(id));
             }
-            (r.finished, r.final_pending) = (true, true);
-            self.finishing.push(Finishing::Tracked(id));
             return Ok(());
         }
-        self.release_blocks(id);
-        let r = self.requests.get_mut(&id).expect("checked");
-        if r.jobs.is_empty() {
-            self.drop_request(id);
-        } else {
-            r.finished = true;
+        let mut r = self.requests.remove(&id).expect("checked");
+        if let Some(record) = r.record.take() {
+            // 0.33: dropped now, committed after the next step's stores all the same.
+            self.finishing.push(Finishing::Record(record));
         }
+        self.keep_spare(r);
         Ok(())
     }
 
