@@ -39,45 +39,51 @@ const SCAN_MAX: usize = 1024;
 /// are more than [`SCAN_MAX`]: a request that never meets a key twice out of order (most
 /// requests) never builds it.
 #[derive(Debug)]
+#[repr(C, align(64))]
 pub(super) struct Record {
+    // Laid out for a request's calls: its first cache line holds what a call to the record
+    // reads first and what a commit reads, then come the other buffers' headers, the filter last.
     /// Bumped each time the pool entry is handed out; half of the [`RequestId`].
     serial: u32,
-    active: bool,
-    /// The manager's cache generation the record belongs to; a record of an older one is
-    /// stale (a reset came between) and starts again empty at its next use.
-    pub generation: u64,
-    /// The keys, back to back, their hashes, their positions ([`NO_POS`]: none) and the rest
-    /// of what the record holds of each (apart, so that a run of a call's keys is appended
-    /// with a copy of each of its fields).
-    keys: Vec<u8>,
-    pub hashes: Vec<u64>,
-    pub positions: Vec<u64>,
-    pub entries: Vec<Entry>,
-    /// Keys without a position.
-    pub unpositioned: usize,
-    /// Whether every key was recorded with a position above the one before (so positions are
-    /// distinct).
-    pub ascending: bool,
-    index: HashTable<u32>,
-    indexed: usize,
-    /// The key after the last one found (the first guess of a find).
-    cursor: usize,
-    /// One bit per recorded key's hash (bit `hash % bits`), and per key [`Self::claim`]ed:
-    /// `filter` while `big_filter` is empty, else `big_filter` (a power of two words).
-    filter: [u64; FILTER_MIN_WORDS],
-    big_filter: Vec<u64>,
-    /// Whether a bit of the filter may belong to no recorded key ([`Self::leave_out`]).
-    loose: bool,
     /// The policy's request rank (0.33 LRU: an anchor id), [`NO_ID`] until taken.
     pub rank: u32,
     /// The last store offer's number.
     offers: u32,
+    /// Keys without a position.
+    pub unpositioned: u32,
+    active: bool,
+    /// Whether every key was recorded with a position above the one before (so positions are
+    /// distinct).
+    pub ascending: bool,
+    /// Whether a bit of the filter may belong to no recorded key ([`Self::leave_out`]).
+    loose: bool,
+    /// The manager's cache generation the record belongs to; a record of an older one is
+    /// stale (a reset came between) and starts again empty at its next use.
+    pub generation: u64,
     /// The keys `inserted.start..inserted.end` are those the record's last store inserted,
     /// in its order, and the policy's order version was `inserted_version` right after it
     /// (an empty range: the last store inserted others, or none).
     pub inserted: std::ops::Range<u32>,
+    /// The keys' hashes; then their bytes, back to back, their positions ([`NO_POS`]: none)
+    /// and the rest of what the record holds of each (apart, so that a run of a call's keys
+    /// is appended with a copy of each of its fields).
+    pub hashes: Vec<u64>,
+    keys: Vec<u8>,
+    pub positions: Vec<u64>,
+    pub entries: Vec<Entry>,
+    big_filter: Vec<u64>,
     pub inserted_version: u64,
+    /// The key after the last one found (the first guess of a find).
+    cursor: usize,
+    indexed: usize,
+    index: HashTable<u32>,
+    /// One bit per recorded key's hash (bit `hash % bits`), and per key [`Self::claim`]ed:
+    /// `filter` while `big_filter` is empty, else `big_filter` (a power of two words).
+    filter: [u64; FILTER_MIN_WORDS],
 }
+
+// A record's first cache line holds what a commit reads (see the layout of [`Record`]).
+const _: () = assert!(std::mem::offset_of!(Record, hashes) + std::mem::size_of::<Vec<u64>>() <= 64);
 
 impl Default for Record {
     fn default() -> Self {
@@ -373,7 +379,7 @@ impl Record {
         // Positions are given for every key of a run or for none.
         if run.positions.is_empty() {
             self.positions.resize(base + m, NO_POS);
-            self.unpositioned += m;
+            self.unpositioned += m as u32;
             self.ascending = false;
         } else if self.ascending {
             let new = &self.positions[base..];
@@ -518,7 +524,7 @@ impl Records {
 
     /// The pool index of active request `id`, or an error naming `request`.
     pub fn index(&self, id: RequestId) -> Result<usize> {
-        let i = (id.0 & u64::from(u32::MAX)) as usize;
+        let i = self.index_of(id);
         match self.records.get(i) {
             Some(r) if r.active && u64::from(r.serial) == id.0 >> 32 => Ok(i),
             _ => Err(invalid!(
@@ -526,6 +532,12 @@ impl Records {
                 id.0
             )),
         }
+    }
+
+    /// The pool index of `id`, an active request (not checked).
+    #[inline]
+    pub fn index_of(&self, id: RequestId) -> usize {
+        (id.0 & u64::from(u32::MAX)) as usize
     }
 
     /// Record `i`, emptied first if it is stale (of a generation before `generation`).
@@ -536,6 +548,12 @@ impl Records {
             r.reset(generation);
         }
         r
+    }
+
+    /// Record `i` as it is, current (see [`Self::current`]).
+    #[inline]
+    pub fn get_mut(&mut self, i: usize) -> &mut Record {
+        &mut self.records[i]
     }
 
     /// Record `i` as it is.
@@ -566,7 +584,7 @@ impl Records {
                 || r.indexed > n
                 || r.cursor > n
                 || r.index.len() != r.indexed
-                || positions.iter().filter(|&&p| p == NO_POS).count() != r.unpositioned
+                || positions.iter().filter(|&&p| p == NO_POS).count() != r.unpositioned as usize
                 || r.ascending && !(r.unpositioned == 0 && positions.is_sorted_by(|a, b| a < b))
             {
                 return Err(format!("request record {i}: inconsistent lengths"));

@@ -113,6 +113,36 @@ impl Manager {
         )
     }
 
+    /// [`Self::prepare_store_for_into`] for a caller whose arguments are right by construction
+    /// (the scheduler's requests and keys): `req` active, `keys` whole keys, one position per
+    /// key, none [`NO_POS`], each output as long as the keys. Checked in debug builds only.
+    #[inline]
+    pub(crate) fn prepare_store_for_owned(
+        &mut self,
+        req: RequestId,
+        keys: &[u8],
+        positions: &[u64],
+        out_indices: &mut [u32],
+        out_slots: &mut [u32],
+        out_evicted: &mut [u8],
+    ) -> Result<super::StoreCounts> {
+        debug_assert!(self.records.index(req).is_ok(), "{req:?} is not active");
+        debug_assert!(self.check_keys(keys, "keys").is_ok());
+        let n = keys.len() / self.cfg.key_len;
+        debug_assert!(check_positions(positions, n).is_ok() && positions.len() == n);
+        debug_assert!(out_indices.len() >= n && out_slots.len() >= n);
+        debug_assert!(out_evicted.len() >= n * self.cfg.key_len);
+        let i = self.records.index_of(req);
+        self.prepare_store_sized(
+            Some(i),
+            keys,
+            positions,
+            out_indices,
+            out_slots,
+            out_evicted,
+        )
+    }
+
     /// Records the `n` resolved keys of a load by record `i` as observed and reused. The keys
     /// new to the record, `scratch_new[recorded..]`, are recorded as one run before any other
     /// key is recorded or looked up past the filter, and after the loop.

@@ -85,6 +85,21 @@ impl Manager {
                 got: out_evicted.len() / kl,
             });
         }
+        self.prepare_store_sized(req, keys, positions, out_indices, out_slots, out_evicted)
+    }
+
+    /// [`Self::prepare_store_checked`] with outputs known to hold as many entries as there are
+    /// keys.
+    #[inline(always)]
+    pub(super) fn prepare_store_sized(
+        &mut self,
+        req: Option<usize>,
+        keys: &[u8],
+        positions: &[u64],
+        out_indices: &mut [u32],
+        out_slots: &mut [u32],
+        out_evicted: &mut [u8],
+    ) -> Result<StoreCounts> {
         if !self.v033() {
             return self.store_024(keys, out_indices, out_slots, out_evicted);
         }
@@ -304,7 +319,7 @@ impl Manager {
         }
         self.stats.stores_skipped += self.scratch_filtered.len() as u64;
         let to_store = self.scratch_new.len();
-        let rec = self.records.current(i, self.generation);
+        let rec = self.records.get_mut(i);
         if to_store == 0 {
             if rank_pending && rec.rank == NO_ID {
                 self.policy
@@ -321,7 +336,7 @@ impl Manager {
             self.policy
                 .on_request_access(&[], &[], &mut rank, &self.keys);
         }
-        let rec = self.records.current(i, self.generation);
+        let rec = self.records.get_mut(i);
         let run = Run {
             keys,
             key_len: kl,

@@ -245,7 +245,7 @@ impl Scheduler {
                     .extend((start..n).map(|c| super::Request::position(c, ct)));
                 let p = &self.scratch_positions;
                 self.manager
-                    .prepare_store_for_into(record, candidates, p, ix, slots, evicted)
+                    .prepare_store_for_owned(record, candidates, p, ix, slots, evicted)
             }
             None => self
                 .manager
