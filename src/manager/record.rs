@@ -57,6 +57,8 @@ pub(super) struct Record {
     pub ascending: bool,
     /// Whether a bit of the filter may belong to no recorded key ([`Self::leave_out`]).
     loose: bool,
+    /// Whether the filter is `big_filter`.
+    big: bool,
     /// The manager's cache generation the record belongs to; a record of an older one is
     /// stale (a reset came between) and starts again empty at its next use.
     pub generation: u64,
@@ -64,18 +66,16 @@ pub(super) struct Record {
     /// in its order, and the policy's order version was `inserted_version` right after it
     /// (an empty range: the last store inserted others, or none).
     pub inserted: std::ops::Range<u32>,
-    /// The keys' hashes; then their bytes, back to back, their positions ([`NO_POS`]: none)
-    /// and the rest of what the record holds of each (apart, so that a run of a call's keys
-    /// is appended with a copy of each of its fields).
+    /// The keys' hashes; then their bytes, back to back, and the rest of what the record
+    /// holds of each.
     pub hashes: Vec<u64>,
     keys: Vec<u8>,
-    pub positions: Vec<u64>,
     pub entries: Vec<Entry>,
-    big_filter: Vec<u64>,
-    pub inserted_version: u64,
     /// The key after the last one found (the first guess of a find).
     cursor: usize,
     indexed: usize,
+    big_filter: Vec<u64>,
+    pub inserted_version: u64,
     index: HashTable<u32>,
     /// One bit per recorded key's hash (bit `hash % bits`), and per key [`Self::claim`]ed:
     /// `filter` while `big_filter` is empty, else `big_filter` (a power of two words).
@@ -93,7 +93,6 @@ impl Default for Record {
             generation: 0,
             keys: Vec::new(),
             hashes: Vec::new(),
-            positions: Vec::new(),
             entries: Vec::new(),
             unpositioned: 0,
             ascending: true,
@@ -103,6 +102,7 @@ impl Default for Record {
             filter: [0; FILTER_MIN_WORDS],
             big_filter: Vec::new(),
             loose: false,
+            big: false,
             rank: NO_ID,
             offers: 0,
             inserted: 0..0,
@@ -122,9 +122,11 @@ pub(super) struct Run<'k> {
     pub positions: &'k [u64],
 }
 
-/// What a record holds of one key besides its bytes, hash and position.
+/// What a record holds of one key besides its bytes and hash.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Entry {
+    /// Its position ([`NO_POS`]: none).
+    pub position: u64,
     /// The manager id the key had when last seen (a hint: the commit takes a slot whose key is
     /// still this one without a lookup, and looks up the others).
     pub id: u32,
@@ -222,17 +224,17 @@ impl Record {
 
     #[inline(always)]
     fn filter_words(&self) -> &[u64] {
-        match self.big_filter.is_empty() {
-            true => &self.filter,
-            false => &self.big_filter,
+        match self.big {
+            false => &self.filter,
+            true => &self.big_filter,
         }
     }
 
     #[inline(always)]
     fn filter_words_mut(&mut self) -> &mut [u64] {
-        match self.big_filter.is_empty() {
-            true => &mut self.filter,
-            false => &mut self.big_filter,
+        match self.big {
+            false => &mut self.filter,
+            true => &mut self.big_filter,
         }
     }
 
@@ -265,12 +267,12 @@ impl Record {
     #[inline(always)]
     fn push(&mut self, hash: u64, key: &[u8], id: u32, position: u64) -> u32 {
         let i = self.len() as u32;
-        let above = self.positions.last().is_none_or(|&p| p < position);
+        let above = self.entries.last().is_none_or(|e| e.position < position);
         self.ascending &= position != NO_POS && above;
         append_key(&mut self.keys, key);
         self.hashes.push(hash);
-        self.positions.push(position);
         self.entries.push(Entry {
+            position,
             id,
             flags: 0,
             offer: 0,
@@ -307,6 +309,7 @@ impl Record {
             let (w, bit) = filter_bit(h, words);
             self.big_filter[w] |= bit;
         }
+        self.big = true;
         self.loose = false;
     }
 
@@ -345,7 +348,8 @@ impl Record {
         let (Some(&a), Some(&b)) = (indices.first(), indices.last()) else {
             return base as u32;
         };
-        let (kl, before) = (run.key_len, self.positions.last().copied());
+        let (kl, before) = (run.key_len, self.entries.last().map(|e| e.position));
+        let position = |i: usize| run.positions.get(i).copied().unwrap_or(NO_POS);
         if b - a + 1 == m as u32 && m > 4 {
             // A longer contiguous run of the call's keys (the usual case): one copy per field;
             // a short run is copied key by key (cheaper than calls to copy).
@@ -353,13 +357,17 @@ impl Record {
             self.keys
                 .extend_from_slice(&run.keys[r.start * kl..r.end * kl]);
             self.hashes.extend_from_slice(&run.hashes[r.clone()]);
-            let entry = |&id| Entry { id, flags, offer };
+            let entry = |(i, &id)| Entry {
+                position: position(i),
+                id,
+                flags,
+                offer,
+            };
             match ids {
-                Ids::OfRun => self.entries.extend(run.ids[r.clone()].iter().map(entry)),
-                Ids::Given(ids) => self.entries.extend(ids.iter().map(entry)),
-            }
-            if let Some(p) = run.positions.get(r) {
-                self.positions.extend_from_slice(p);
+                Ids::OfRun => self
+                    .entries
+                    .extend(r.clone().zip(&run.ids[r.clone()]).map(entry)),
+                Ids::Given(ids) => self.entries.extend(r.zip(ids).map(entry)),
             }
         } else {
             for (j, &i) in indices.iter().enumerate() {
@@ -370,20 +378,22 @@ impl Record {
                     Ids::OfRun => run.ids[i],
                     Ids::Given(ids) => ids[j],
                 };
-                self.entries.push(Entry { id, flags, offer });
-                if let Some(&p) = run.positions.get(i) {
-                    self.positions.push(p);
-                }
+                self.entries.push(Entry {
+                    position: position(i),
+                    id,
+                    flags,
+                    offer,
+                });
             }
         }
         // Positions are given for every key of a run or for none.
         if run.positions.is_empty() {
-            self.positions.resize(base + m, NO_POS);
             self.unpositioned += m as u32;
             self.ascending = false;
         } else if self.ascending {
-            let new = &self.positions[base..];
-            self.ascending = before.is_none_or(|p| p < new[0]) && new.is_sorted_by(|x, y| x < y);
+            let new = &self.entries[base..];
+            self.ascending = before.is_none_or(|p| p < new[0].position)
+                && new.is_sorted_by(|x, y| x.position < y.position);
         }
         self.fit_filter();
         base as u32
@@ -423,12 +433,12 @@ impl Record {
         let Some(i) = seen else {
             return (self.push(hash, key, id, position), true);
         };
-        let p = &mut self.positions[i as usize];
-        if *p == NO_POS && position != NO_POS {
-            *p = position;
+        let e = &mut self.entries[i as usize];
+        if e.position == NO_POS && position != NO_POS {
+            e.position = position;
             self.unpositioned -= 1;
         }
-        self.entries[i as usize].id = id;
+        e.id = id;
         (i, false)
     }
 
@@ -473,7 +483,8 @@ impl Record {
     /// Empties the record (keeping its buffers) for `generation`.
     fn reset(&mut self, generation: u64) {
         self.generation = generation;
-        if !self.big_filter.is_empty() {
+        if self.big {
+            self.big = false;
             self.big_filter.clear();
             self.filter = [0; FILTER_MIN_WORDS];
         } else if self.loose || self.len() > FILTER_CLEAR_KEYS {
@@ -486,7 +497,6 @@ impl Record {
         self.loose = false;
         self.keys.clear();
         self.hashes.clear();
-        self.positions.clear();
         self.entries.clear();
         self.unpositioned = 0;
         self.ascending = true;
@@ -578,14 +588,15 @@ impl Records {
     pub fn check(&self, key_len: usize, table: &KeyTable) -> std::result::Result<(), String> {
         for (i, r) in self.records.iter().enumerate().filter(|(_, r)| r.active) {
             let n = r.len();
-            let positions = &r.positions;
+            let positions = || r.entries.iter().map(|e| e.position);
             if r.keys.len() != n * key_len
-                || [positions.len(), r.entries.len()] != [n; 2]
+                || r.entries.len() != n
+                || r.big == r.big_filter.is_empty()
                 || r.indexed > n
                 || r.cursor > n
                 || r.index.len() != r.indexed
-                || positions.iter().filter(|&&p| p == NO_POS).count() != r.unpositioned as usize
-                || r.ascending && !(r.unpositioned == 0 && positions.is_sorted_by(|a, b| a < b))
+                || positions().filter(|&p| p == NO_POS).count() != r.unpositioned as usize
+                || r.ascending && !(r.unpositioned == 0 && positions().is_sorted_by(|a, b| a < b))
             {
                 return Err(format!("request record {i}: inconsistent lengths"));
             }
@@ -683,11 +694,14 @@ mod tests {
         assert_eq!(r.unpositioned, 1);
         let seen = r.find(hash(1), &key(1));
         assert_eq!(r.observe(seen, hash(1), &key(1), 6, 32), (0, false));
-        assert_eq!((r.positions[0], r.entries[0].id), (32, 6));
+        assert_eq!((r.entries[0].position, r.entries[0].id), (32, 6));
         assert_eq!(r.unpositioned, 0);
         let seen = r.find(hash(1), &key(1));
         r.observe(seen, hash(1), &key(1), 7, 48);
-        assert_eq!((r.positions[0], r.entries[0].id, r.len()), (32, 7, 1));
+        assert_eq!(
+            (r.entries[0].position, r.entries[0].id, r.len()),
+            (32, 7, 1)
+        );
         // The group is the key's last four bytes.
         assert_eq!(group_of(r.key(0, 8)), 1);
         r.reset(1);

@@ -241,7 +241,7 @@ impl Manager {
             if !order.is_sorted_by_key(group) {
                 order.sort_by_key(group);
             }
-            let position = |j: &u32| rec.positions[*j as usize];
+            let position = |j: &u32| rec.entries[*j as usize].position;
             if rec.unpositioned == 0 {
                 if !order.is_sorted_by_key(position) {
                     order.sort_by_key(position);
@@ -249,7 +249,10 @@ impl Manager {
             } else {
                 // vLLM 0.33 sorts each group whose keys all have a position.
                 for run in order.chunk_by_mut(|a, b| group(a) == group(b)) {
-                    if run.iter().all(|&j| rec.positions[j as usize] != NO_POS) {
+                    if run
+                        .iter()
+                        .all(|&j| rec.entries[j as usize].position != NO_POS)
+                    {
                         run.sort_by_key(position);
                     }
                 }
