@@ -13,9 +13,10 @@
 //! sorted by `(minor, key bytes)`. Node ids are the slots, then the anchors' sentinels.
 //!
 //! An anchor taken by the store of its first key holds that key without sentinels: the key
-//! lies where the sentinels would, at the back, and marks the anchor's place. The sentinels are
-//! linked around it when a second key comes or before it leaves (the anchor keeps its place),
-//! so a request storing a single key (one chunk) links none.
+//! lies where the sentinels would, at the back, marks the anchor's place and carries its
+//! major. The sentinels are linked around it, with that major, when a second key comes or
+//! before it leaves (the anchor keeps its place), so a request storing a single key (one
+//! chunk) touches none.
 //!
 //! A request's commit gives its present keys fresh ranks tail first. When its positions are
 //! distinct and its anchor was given every one of its keys and lost none (the usual request),
@@ -129,7 +130,12 @@ impl RankedLruPolicy {
     fn link_sentinels(&mut self, a: u32) {
         let i = self.anchor_index(a);
         let s = std::mem::replace(&mut self.counts[i].single, NO_ID);
-        self.links.data_mut(a + 1).rank = self.rank_of(a);
+        let rank = Rank {
+            major: self.rank_of(s).major,
+            minor: 0,
+        };
+        self.links.data_mut(a).rank = rank;
+        self.links.data_mut(a + 1).rank = rank;
         self.links.insert_before(&mut self.list, s, a);
         match self.links.next(s) {
             NO_ID => self.links.push_back(&mut self.list, a + 1),
@@ -160,6 +166,7 @@ impl RankedLruPolicy {
     /// A new anchor with a fresh number, at the back; returns its first sentinel.
     fn take_anchor(&mut self) -> u32 {
         let (a, rank) = self.new_anchor(AnchorCount::default());
+        self.links.data_mut(a).rank = rank;
         self.links.data_mut(a + 1).rank = rank;
         for id in [a, a + 1] {
             self.links.push_back(&mut self.list, id);
@@ -184,8 +191,8 @@ impl RankedLruPolicy {
         a
     }
 
-    /// An anchor with a fresh number and `count`, its sentinels in no list (the second
-    /// without its rank yet); returns its first sentinel and rank.
+    /// An anchor with a fresh number and `count`, its sentinels in no list and without their
+    /// rank yet; returns its first sentinel and rank.
     #[inline]
     fn new_anchor(&mut self, count: AnchorCount) -> (u32, Rank) {
         let a = match self.free_anchors.pop() {
@@ -202,7 +209,6 @@ impl RankedLruPolicy {
             major: self.fresh(),
             minor: 0,
         };
-        self.links.data_mut(a).rank = rank;
         let i = self.anchor_index(a);
         self.counts[i] = count;
         (a, rank)
@@ -285,6 +291,16 @@ impl RankedLruPolicy {
             a => self.counts[self.anchor_index(a)],
         };
         k.left == 0 && k.placed as usize == keys
+    }
+
+    /// The major of anchor `a`: its sentinels' (their rank is set when they are linked), or
+    /// its single key's while they are not.
+    #[inline]
+    fn anchor_major(&self, a: u32) -> u64 {
+        match self.counts[self.anchor_index(a)].single {
+            NO_ID => self.rank_of(a).major,
+            s => self.rank_of(s).major,
+        }
     }
 
     #[inline]
@@ -470,7 +486,7 @@ impl EvictionPolicy for RankedLruPolicy {
         if *rank == NO_ID {
             *rank = self.take_anchor();
         }
-        let (a, major) = (*rank, self.rank_of(*rank).major);
+        let (a, major) = (*rank, self.anchor_major(*rank));
         // As in `insert_all`: the anchor's first key when this call put it there, and the keys
         // linked in front of it since (counted at the end).
         let (mut front, mut placed) = (None::<(u32, u64)>, 0);
@@ -613,7 +629,6 @@ impl EvictionPolicy for RankedLruPolicy {
                         // A single-key anchor: its only key, of its major, its sentinels apart.
                         let k = self.counts[self.anchor_index(anchor)];
                         if k.single != c
-                            || self.rank_of(anchor).major != r.major
                             || self.links.is_linked(anchor)
                             || k.placed.checked_sub(k.left) != Some(1)
                         {
