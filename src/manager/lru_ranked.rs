@@ -130,12 +130,8 @@ impl RankedLruPolicy {
     fn link_sentinels(&mut self, a: u32) {
         let i = self.anchor_index(a);
         let s = std::mem::replace(&mut self.counts[i].single, NO_ID);
-        let rank = Rank {
-            major: self.rank_of(s).major,
-            minor: 0,
-        };
-        self.links.data_mut(a).rank = rank;
-        self.links.data_mut(a + 1).rank = rank;
+        let major = self.rank_of(s).major;
+        self.rank_sentinels(a, Rank { major, minor: 0 });
         self.links.insert_before(&mut self.list, s, a);
         match self.links.next(s) {
             NO_ID => self.links.push_back(&mut self.list, a + 1),
@@ -166,8 +162,7 @@ impl RankedLruPolicy {
     /// A new anchor with a fresh number, at the back; returns its first sentinel.
     fn take_anchor(&mut self) -> u32 {
         let (a, rank) = self.new_anchor(AnchorCount::default());
-        self.links.data_mut(a).rank = rank;
-        self.links.data_mut(a + 1).rank = rank;
+        self.rank_sentinels(a, rank);
         for id in [a, a + 1] {
             self.links.push_back(&mut self.list, id);
         }
@@ -291,6 +286,14 @@ impl RankedLruPolicy {
             a => self.counts[self.anchor_index(a)],
         };
         k.left == 0 && k.placed as usize == keys
+    }
+
+    /// Gives both sentinels of anchor `a` its `rank`.
+    #[inline]
+    fn rank_sentinels(&mut self, a: u32, rank: Rank) {
+        for id in [a, a + 1] {
+            self.links.data_mut(id).rank = rank;
+        }
     }
 
     /// The major of anchor `a`: its sentinels' (their rank is set when they are linked), or

@@ -57,7 +57,8 @@ pub(super) struct Record {
     pub ascending: bool,
     /// Whether a bit of the filter may belong to no recorded key ([`Self::leave_out`]).
     loose: bool,
-    /// Whether the filter is `big_filter`.
+    /// Whether the filter is `big_filter` (whether that is empty, kept in the first line:
+    /// every [`Self::claim`] asks).
     big: bool,
     /// The manager's cache generation the record belongs to; a record of an older one is
     /// stale (a reset came between) and starts again empty at its next use.
@@ -78,7 +79,7 @@ pub(super) struct Record {
     pub inserted_version: u64,
     index: HashTable<u32>,
     /// One bit per recorded key's hash (bit `hash % bits`), and per key [`Self::claim`]ed:
-    /// `filter` while `big_filter` is empty, else `big_filter` (a power of two words).
+    /// `filter` while not `big`, else `big_filter` (a power of two words).
     filter: [u64; FILTER_MIN_WORDS],
 }
 
