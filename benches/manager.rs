@@ -9,8 +9,7 @@ use kvoffload::manager::{Manager, ManagerConfig, Policy, Semantics, StorePlan};
 #[path = "common/tier_replay.rs"]
 mod tier_replay;
 use std::hint::black_box;
-use std::path::Path;
-use tier_replay::{FfiTier, RustTier, load_trace, replay, trace_keys};
+use tier_replay::{FfiTier, RustTier, load_trace, replay, trace_keys, traces_dir};
 
 const SLOTS: usize = 1 << 20;
 
@@ -94,8 +93,7 @@ fn tier_ops(c: &mut Criterion) {
 }
 
 fn trace_replay(c: &mut Criterion) {
-    let path =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/conversation_trace.jsonl");
+    let path = traces_dir().join("conversation_trace.jsonl");
     let trace = match load_trace(&path) {
         Ok(t) => t,
         Err(e) => {

@@ -11,13 +11,19 @@
 #                                   at 16 KiB..2 MiB blocks, about 80 s; summary table at the end).
 #                                   Without cargo there (the lent H200 image has no Rust): runs the
 #                                   same test and bench executables from target/gpu-bundle/.
+#   scripts/gpu-check.sh targets    anywhere with cargo: only the CPU benchmarks behind the vLLM
+#                                   0.33 performance targets (see `targets` below), with their
+#                                   figures set against the targets. The GPU machine runs them
+#                                   too, after the GPU benches: its CPU is another point of
+#                                   comparison than a build machine's.
 #   scripts/gpu-check.sh bundle     on a build machine with cargo (same CPU architecture; glibc
 #                                   no newer than the GPU machine's): builds those executables in
 #                                   release mode into target/gpu-bundle/ (stripped). Carry that
 #                                   path to the GPU machine, e.g. run(carry=["target/gpu-bundle"],
 #                                   command="scripts/gpu-check.sh").
 #
-# Environment: KVO_GPU_CHECK_NO_CARGO=1 forces the bundle even where cargo exists.
+# Environment: KVO_GPU_CHECK_NO_CARGO=1 forces the bundle even where cargo exists; KVO_TRACES is
+# the folder of the request traces (default ../shared/traces; the bundle carries a copy).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -77,6 +83,45 @@ gpu_info() {
   if [ ! -e /dev/nvidia0 ]; then log "warning: /dev/nvidia0 does not exist; the GPU tests will skip themselves"; fi
 }
 
+# targets SCHEDULER_BENCH MANAGER_BENCH: the benchmarks of the vLLM 0.33 targets in both
+# semantics (0.24 beside 0.33): `build_step` with 256 one-chunk requests (at most 50 us in 0.33)
+# and with 8,192-token prompts at factor 4 (at most twice the one-chunk step), and the manager
+# replay of the conversation trace (at most 45 ns a block from Rust, 2 us a request through the
+# C ABI; skipped without the trace). Each bench is an executable or "cargo:NAME". Prints one line
+# per case: its median and, for 0.33, the target and whether it holds.
+targets() {
+  local sched=$1 manager=$2
+  TARGETS_RAW=$(mktemp)
+  export TARGETS_RAW
+  # bench_cmd BENCH: the command line that runs BENCH's benchmarks, the options to follow.
+  bench_cmd() {
+    case "$1" in
+      cargo:*) BENCH=(cargo bench --bench "${1#cargo:}" --) ;;
+      *) BENCH=("$1" --bench) ;;
+    esac
+    BENCH+=(--warm-up-time 1 --measurement-time 3 --noplot)
+  }
+  local tee='"$@" | tee -a "$TARGETS_RAW"'
+  bench_cmd "$sched"
+  step bench_step_targets 300 bash -o pipefail -c "$tee" _ "${BENCH[@]}" \
+    'factor1_prompt16(_v033)?$|factor4_prompt8192(_v033)?$'
+  local traces=${KVO_TRACES:-$ROOT/../shared/traces} requests=0
+  if [ -f "$traces/conversation_trace.jsonl" ]; then
+    export KVO_TRACES=$traces
+    requests=$(grep -c . "$traces/conversation_trace.jsonl")
+    bench_cmd "$manager"
+    step bench_replay_targets 300 bash -o pipefail -c "$tee" _ "${BENCH[@]}" \
+      'replay_conversation_5859_slots'
+  else
+    log "no $traces/conversation_trace.jsonl (set KVO_TRACES): replay targets skipped"
+  fi
+  log "=== vLLM 0.33 targets (medians; 0.24 beside them)"
+  awk -v requests="$requests" -f "$ROOT/scripts/targets.awk" "$TARGETS_RAW" |
+    if [ -n "${OUT:-}" ]; then tee "$OUT/targets.txt"; else cat; fi
+  if [ -n "${OUT:-}" ]; then cp "$TARGETS_RAW" "$OUT/targets-criterion.txt"; fi
+  rm -f "$TARGETS_RAW"
+}
+
 # ---- bundle: build the executables here ----------------------------------------------------
 if [ "${1:-}" = "bundle" ]; then
   log "=== building release test and bench executables into $BUNDLE"
@@ -87,6 +132,9 @@ if [ "${1:-}" = "bundle" ]; then
   if [ -f benches/transfer.rs ]; then
     cargo bench --bench transfer --no-run --message-format=json-render-diagnostics >>"$listing"
   fi
+  for b in scheduler manager; do
+    cargo bench --bench "$b" --no-run --message-format=json-render-diagnostics >>"$listing"
+  done
   cargo build --release --lib
   # One line per executable: KIND NAME PATH (kind: lib or bin unit tests, test, bench).
   python3 - "$listing" >"$BUNDLE/MANIFEST" <<'PY'
@@ -119,11 +167,25 @@ PY
   # The cdylib, for tests/c_api.rs (it looks next to its executable).
   cp target/release/libkvoffload.so "$BUNDLE/"
   strip --strip-debug "$BUNDLE/libkvoffload.so" 2>/dev/null || true
+  # The replay target needs the conversation trace (not part of the repository).
+  traces=${KVO_TRACES:-$ROOT/../shared/traces}
+  if [ -f "$traces/conversation_trace.jsonl" ]; then
+    mkdir -p "$BUNDLE/traces" && cp "$traces/conversation_trace.jsonl" "$BUNDLE/traces/"
+  else
+    log "warning: no $traces/conversation_trace.jsonl: the bundle runs no replay target"
+  fi
   # The tests carry compile-time paths (CARGO_MANIFEST_DIR, CARGO_TARGET_TMPDIR) under this root.
   echo "$ROOT" >"$BUNDLE/build-root"
   ls -l "$BUNDLE"
   log "bundle: $(du -sh "$BUNDLE" | cut -f1) (64 MiB may travel in all); carry \"$BUNDLE\""
   exit 0
+fi
+
+# ---- targets: only the benchmarks of the vLLM 0.33 targets, here --------------------------
+if [ "${1:-}" = "targets" ]; then
+  log "=== machine: $(uname -srm); $(nproc) CPUs"
+  targets cargo:scheduler cargo:manager
+  finish
 fi
 
 # ---- on the GPU machine --------------------------------------------------------------------
@@ -140,6 +202,7 @@ if command -v cargo >/dev/null 2>&1 && [ "${KVO_GPU_CHECK_NO_CARGO:-0}" != 1 ]; 
   else
     log "benches/transfer.rs does not exist: skipped"
   fi
+  targets cargo:scheduler cargo:manager
   finish
 fi
 
@@ -180,5 +243,11 @@ if [ -n "$bench_exe" ]; then
   step bench_gpu 180 "$bench_exe" --bench --warm-up-time 1 --measurement-time 3 gpu
 else
   log "no transfer bench executable: skipped"
+fi
+if [ -x "$BUNDLE/bench-scheduler" ] && [ -x "$BUNDLE/bench-manager" ]; then
+  if [ -z "${KVO_TRACES:-}" ] && [ -d "$BUNDLE/traces" ]; then export KVO_TRACES=$ROOT/$BUNDLE/traces; fi
+  targets "$BUNDLE/bench-scheduler" "$BUNDLE/bench-manager"
+else
+  log "no scheduler or manager bench executable: targets skipped"
 fi
 finish

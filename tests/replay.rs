@@ -1,22 +1,20 @@
-//! Tier replays of the Mooncake request traces (`../shared/traces`, not part of the repository:
-//! these tests are ignored by default; run them with `cargo test --test replay -- --ignored`,
-//! and they fail when the traces are missing): with room for every block, the tier's prefix
-//! hits equal an independent count of the ideal prefix-cache hits (the Mooncake paper's ~37 %
-//! and ~64 % of blocks); with a small tier, the Rust API and the C ABI give the same answers and
-//! the tier's invariants hold. Both policies, in vLLM 0.24 and 0.33 semantics.
+//! Tier replays of the Mooncake request traces (`../shared/traces`, or `$KVO_TRACES`; not part of
+//! the repository: these tests are ignored by default; run them with
+//! `cargo test --test replay -- --ignored`, and they fail when the traces are missing): with room
+//! for every block, the tier's prefix hits equal an independent count of the ideal prefix-cache
+//! hits (the Mooncake paper's ~37 % and ~64 % of blocks); with a small tier, the Rust API and the
+//! C ABI give the same answers and the tier's invariants hold. Both policies, in vLLM 0.24 and
+//! 0.33 semantics.
 
 #[path = "../benches/common/tier_replay.rs"]
 mod tier_replay;
 
 use kvoffload::manager::{ManagerConfig, Policy, Semantics};
 use std::collections::HashSet;
-use std::path::Path;
-use tier_replay::{FfiTier, RustTier, TraceRequest, load_trace, replay, trace_keys};
+use tier_replay::{FfiTier, RustTier, TraceRequest, load_trace, replay, trace_keys, traces_dir};
 
 fn trace(name: &str) -> Vec<TraceRequest> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/traces")
-        .join(name);
+    let path = traces_dir().join(name);
     load_trace(&path).unwrap_or_else(|e| panic!("{e} (the trace is not part of the repository)"))
 }
 

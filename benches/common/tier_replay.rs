@@ -13,7 +13,7 @@ use kvoffload::manager::{
     Manager, ManagerConfig, ManagerStats, Policy, RequestId, Semantics, StorePlan,
 };
 use kvoffload::{Error, Result};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// One request of a trace.
 #[derive(Debug, Clone, serde::Deserialize)]
@@ -29,6 +29,16 @@ pub struct TraceRequest {
     pub output_length: u64,
     /// Prefix-chained block hashes of the prompt.
     pub hash_ids: Vec<u64>,
+}
+
+/// The folder of the request traces: `$KVO_TRACES` when set (a machine without the checkout's
+/// neighbours, such as the GPU machine of `scripts/gpu-check.sh`), else `../shared/traces` beside
+/// the repository. The traces are not part of the repository.
+pub fn traces_dir() -> PathBuf {
+    match std::env::var_os("KVO_TRACES") {
+        Some(d) => PathBuf::from(d),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces"),
+    }
 }
 
 /// Reads a JSON-lines trace.
