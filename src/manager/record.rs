@@ -57,9 +57,10 @@ pub(super) struct Record {
     pub ascending: bool,
     /// Whether a bit of the filter may belong to no recorded key ([`Self::leave_out`]).
     loose: bool,
-    /// Whether the filter is `big_filter` (whether that is empty, kept in the first line:
-    /// every [`Self::claim`] asks).
-    big: bool,
+    /// The filter's words: [`FILTER_MIN_WORDS`] while it is `filter`, more once it is
+    /// `big_filter` (kept in the first line: every [`Self::claim`] asks, and a record whose
+    /// filter has not grown reads nothing of `big_filter`).
+    words: u32,
     /// The manager's cache generation the record belongs to; a record of an older one is
     /// stale (a reset came between) and starts again empty at its next use.
     pub generation: u64,
@@ -79,7 +80,8 @@ pub(super) struct Record {
     pub inserted_version: u64,
     index: HashTable<u32>,
     /// One bit per recorded key's hash (bit `hash % bits`), and per key [`Self::claim`]ed:
-    /// `filter` while not `big`, else `big_filter` (a power of two words).
+    /// `filter` while [`Self::words`] is [`FILTER_MIN_WORDS`], else `big_filter` (a power of
+    /// two words).
     filter: [u64; FILTER_MIN_WORDS],
 }
 
@@ -103,7 +105,7 @@ impl Default for Record {
             filter: [0; FILTER_MIN_WORDS],
             big_filter: Vec::new(),
             loose: false,
-            big: false,
+            words: FILTER_MIN_WORDS as u32,
             rank: NO_ID,
             offers: 0,
             inserted: 0..0,
@@ -199,9 +201,8 @@ impl Record {
             self.cursor = c + 1;
             return Some(c as u32);
         }
-        let f = self.filter_words();
-        let (w, bit) = filter_bit(hash, f.len());
-        if f[w] & bit == 0 {
+        let (w, bit) = filter_bit(hash, self.words as usize);
+        if *self.filter_word(w) & bit == 0 {
             return None;
         }
         self.find_past_filter(hash, key)
@@ -211,10 +212,10 @@ impl Record {
     /// claimed before, has this hash (a caller recording keys in runs tells a new key by it).
     #[inline(always)]
     pub fn claim(&mut self, hash: u64) -> bool {
-        let f = self.filter_words_mut();
-        let (w, bit) = filter_bit(hash, f.len());
-        let clear = f[w] & bit == 0;
-        f[w] |= bit;
+        let (w, bit) = filter_bit(hash, self.words as usize);
+        let f = self.filter_word(w);
+        let clear = *f & bit == 0;
+        *f |= bit;
         clear
     }
 
@@ -223,20 +224,33 @@ impl Record {
         self.loose = true;
     }
 
+    /// Whether the filter is `big_filter`.
     #[inline(always)]
+    fn is_big(&self) -> bool {
+        self.words as usize != FILTER_MIN_WORDS
+    }
+
+    /// The filter's words (invariant checks).
     fn filter_words(&self) -> &[u64] {
-        match self.big {
+        match self.is_big() {
             false => &self.filter,
             true => &self.big_filter,
         }
     }
 
+    /// Word `w` of the filter; `big_filter`'s through a call, so that a record whose filter
+    /// has not grown loads none of its fields.
     #[inline(always)]
-    fn filter_words_mut(&mut self) -> &mut [u64] {
-        match self.big {
-            false => &mut self.filter,
-            true => &mut self.big_filter,
+    fn filter_word(&mut self, w: usize) -> &mut u64 {
+        match self.is_big() {
+            false => &mut self.filter[w],
+            true => self.big_filter_word(w),
         }
+    }
+
+    #[inline(never)]
+    fn big_filter_word(&mut self, w: usize) -> &mut u64 {
+        &mut self.big_filter[w]
     }
 
     /// [`Self::find`] past the guess and the filter: through the index and the keys after it.
@@ -281,9 +295,8 @@ impl Record {
         if position == NO_POS {
             self.unpositioned += 1;
         }
-        let f = self.filter_words_mut();
-        let (w, bit) = filter_bit(hash, f.len());
-        f[w] |= bit;
+        let (w, bit) = filter_bit(hash, self.words as usize);
+        *self.filter_word(w) |= bit;
         self.fit_filter();
         i
     }
@@ -292,7 +305,7 @@ impl Record {
     /// the bits of every recorded key (and none of the keys claimed and not recorded).
     #[inline(always)]
     fn fit_filter(&mut self) {
-        if self.len() * FILTER_BITS_PER_KEY > self.filter_words().len() * 64 {
+        if self.len() * FILTER_BITS_PER_KEY > self.words as usize * 64 {
             self.grow_filter();
         }
     }
@@ -300,7 +313,7 @@ impl Record {
     #[cold]
     #[inline(never)]
     fn grow_filter(&mut self) {
-        let mut words = self.filter_words().len();
+        let mut words = self.words as usize;
         while self.len() * FILTER_BITS_PER_KEY > words * 64 {
             words *= 4;
         }
@@ -310,7 +323,7 @@ impl Record {
             let (w, bit) = filter_bit(h, words);
             self.big_filter[w] |= bit;
         }
-        self.big = true;
+        self.words = u32::try_from(words).expect("a record's filter has fewer than 2^32 words");
         self.loose = false;
     }
 
@@ -484,8 +497,8 @@ impl Record {
     /// Empties the record (keeping its buffers) for `generation`.
     fn reset(&mut self, generation: u64) {
         self.generation = generation;
-        if self.big {
-            self.big = false;
+        if self.is_big() {
+            self.words = FILTER_MIN_WORDS as u32;
             self.big_filter.clear();
             self.filter = [0; FILTER_MIN_WORDS];
         } else if self.loose || self.len() > FILTER_CLEAR_KEYS {
@@ -592,7 +605,8 @@ impl Records {
             let positions = || r.entries.iter().map(|e| e.position);
             if r.keys.len() != n * key_len
                 || r.entries.len() != n
-                || r.big == r.big_filter.is_empty()
+                || r.is_big() == r.big_filter.is_empty()
+                || r.words as usize != r.filter_words().len()
                 || r.indexed > n
                 || r.cursor > n
                 || r.index.len() != r.indexed
@@ -663,6 +677,29 @@ mod tests {
             assert!(unindexed <= SCAN_MAX, "{unindexed} of {n} keys not indexed");
             assert_eq!(r.indexed == 0, n as usize <= SCAN_MAX, "{n} keys");
         }
+    }
+
+    /// A filter that grew serves the record's next request only as long as it is needed: the
+    /// reset goes back to the inline filter, which then answers alone.
+    #[test]
+    fn a_reset_after_the_filter_grew_starts_again_with_the_inline_filter() {
+        let mut r = Record::default();
+        let n = (FILTER_MIN_WORDS * 64 / FILTER_BITS_PER_KEY) as u64 + 1;
+        for i in 0..n {
+            assert!(r.claim(hash(i)), "{i} is claimed first");
+            r.observe(None, hash(i), &key(i), i as u32, i);
+        }
+        assert!(r.is_big() && r.words as usize == r.big_filter.len());
+        assert!((0..n).all(|i| !r.claim(hash(i))), "every recorded key is claimed");
+        r.reset(1);
+        assert!(!r.is_big() && r.big_filter.is_empty() && r.len() == 0);
+        assert_eq!(r.find(hash(0), &key(0)), None);
+        for i in [5u64, 9] {
+            assert!(r.claim(hash(n + i)) && !r.claim(hash(n + i)));
+            r.observe(None, hash(n + i), &key(n + i), 0, i);
+        }
+        assert_eq!(r.find(hash(n + 9), &key(n + 9)), Some(1));
+        assert_eq!(r.find(hash(n + 5), &key(n + 5)), Some(0));
     }
 
     /// Keys observed again in recorded order are found at the guess; out of order, or a key
