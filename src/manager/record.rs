@@ -690,7 +690,10 @@ mod tests {
             r.observe(None, hash(i), &key(i), i as u32, i);
         }
         assert!(r.is_big() && r.words as usize == r.big_filter.len());
-        assert!((0..n).all(|i| !r.claim(hash(i))), "every recorded key is claimed");
+        assert!(
+            (0..n).all(|i| !r.claim(hash(i))),
+            "every recorded key is claimed"
+        );
         r.reset(1);
         assert!(!r.is_big() && r.big_filter.is_empty() && r.len() == 0);
         assert_eq!(r.find(hash(0), &key(0)), None);
