@@ -65,9 +65,9 @@ for r in $(seq "$rounds"); do
             [ "$side" = tree ] && exe=$new filter=${f##* vs }
             # criterion: "<name>  time:   [low median high]"; the median is the 4th field on.
             m=$("$exe" --bench --noplot --warm-up-time 1 --measurement-time "$measure" "$filter" 2>/dev/null |
-                awk '/time:/ { for (i = 1; i <= NF; i++) if ($i == "time:") { print $(i + 3), $(i + 4); exit } }')
+                awk '!seen && /time:/ { for (i = 1; i <= NF; i++) if ($i == "time:") { print $(i + 3), $(i + 4); seen = 1 } }')
             echo "round $r  $side  $f  ${m:-absent}"
-            [ -n "$m" ] && echo "$f	$side	$r	$m" >>"$results"
+            if [ -n "$m" ]; then echo "$f	$side	$r	$m" >>"$results"; fi
         done
     done
 done
