@@ -68,11 +68,9 @@ pub(super) struct Record {
     /// in its order, and the policy's order version was `inserted_version` right after it
     /// (an empty range: the last store inserted others, or none).
     pub inserted: std::ops::Range<u32>,
-    /// The keys' hashes; then their bytes, back to back, and the rest of what the record
-    /// holds of each.
-    pub hashes: Vec<u64>,
-    keys: Vec<u8>,
+    /// What the record holds of each key (its hash first); then their bytes, back to back.
     pub entries: Vec<Entry>,
+    keys: Vec<u8>,
     /// The key after the last one found (the first guess of a find).
     cursor: usize,
     indexed: usize,
@@ -86,7 +84,8 @@ pub(super) struct Record {
 }
 
 // A record's first cache line holds what a commit reads (see the layout of [`Record`]).
-const _: () = assert!(std::mem::offset_of!(Record, hashes) + std::mem::size_of::<Vec<u64>>() <= 64);
+const _: () =
+    assert!(std::mem::offset_of!(Record, entries) + std::mem::size_of::<Vec<Entry>>() <= 64);
 
 impl Default for Record {
     fn default() -> Self {
@@ -95,7 +94,6 @@ impl Default for Record {
             active: false,
             generation: 0,
             keys: Vec::new(),
-            hashes: Vec::new(),
             entries: Vec::new(),
             unpositioned: 0,
             ascending: true,
@@ -125,9 +123,11 @@ pub(super) struct Run<'k> {
     pub positions: &'k [u64],
 }
 
-/// What a record holds of one key besides its bytes and hash.
+/// What a record holds of one key besides its bytes.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Entry {
+    /// The key's hash (the key table's).
+    pub hash: u64,
     /// Its position ([`NO_POS`]: none).
     pub position: u64,
     /// The manager id the key had when last seen (a hint: the commit takes a slot whose key is
@@ -156,12 +156,13 @@ fn filter_bit(hash: u64, words: usize) -> (usize, u64) {
     (b / 64, 1 << (b % 64))
 }
 
-/// The first `i` with `hashes[i] == hash` and `is_key(i)`: eight hashes compared at a time.
+/// The first `i` with `entries[i].hash == hash` and `is_key(i)`: eight hashes compared at a
+/// time.
 #[inline]
-fn scan(hashes: &[u64], hash: u64, is_key: impl Fn(usize) -> bool) -> Option<usize> {
-    for (c, chunk) in hashes.chunks(8).enumerate() {
-        if chunk.iter().fold(false, |any, &h| any | (h == hash)) {
-            let mut at = (c * 8..).zip(chunk).filter(|&(_, &h)| h == hash);
+fn scan(entries: &[Entry], hash: u64, is_key: impl Fn(usize) -> bool) -> Option<usize> {
+    for (c, chunk) in entries.chunks(8).enumerate() {
+        if chunk.iter().fold(false, |any, e| any | (e.hash == hash)) {
+            let mut at = (c * 8..).zip(chunk).filter(|&(_, e)| e.hash == hash);
             if let Some((i, _)) = at.find(|&(i, _)| is_key(i)) {
                 return Some(i);
             }
@@ -182,7 +183,7 @@ pub(super) fn group_of(key: &[u8]) -> u32 {
 impl Record {
     /// Recorded keys.
     pub fn len(&self) -> usize {
-        self.hashes.len()
+        self.entries.len()
     }
 
     /// The `i`-th recorded key.
@@ -194,8 +195,8 @@ impl Record {
     #[inline(always)]
     pub fn find(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
         let c = self.cursor;
-        if let Some(&h) = self.hashes.get(c)
-            && h == hash
+        if let Some(e) = self.entries.get(c)
+            && e.hash == hash
             && key_eq(self.key(c, key.len()), key)
         {
             self.cursor = c + 1;
@@ -257,11 +258,11 @@ impl Record {
     #[inline(never)]
     fn find_past_filter(&mut self, hash: u64, key: &[u8]) -> Option<u32> {
         let kl = key.len();
-        let (n, hashes) = (self.len(), &self.hashes);
+        let (n, entries) = (self.len(), &self.entries);
         if n - self.indexed > SCAN_MAX {
-            for (i, &h) in hashes.iter().enumerate().skip(self.indexed) {
+            for (i, e) in entries.iter().enumerate().skip(self.indexed) {
                 self.index
-                    .insert_unique(h, i as u32, |&j| hashes[j as usize]);
+                    .insert_unique(e.hash, i as u32, |&j| entries[j as usize].hash);
             }
             self.indexed = n;
         }
@@ -269,7 +270,7 @@ impl Record {
         let key_of = |i: usize| &keys[i * kl..(i + 1) * kl];
         let found = match self.index.find(hash, |&i| key_eq(key_of(i as usize), key)) {
             Some(&i) => i as usize,
-            None => scan(&hashes[self.indexed..n], hash, |i| {
+            None => scan(&entries[self.indexed..n], hash, |i| {
                 key_eq(key_of(self.indexed + i), key)
             })
             .map(|i| self.indexed + i)?,
@@ -285,8 +286,8 @@ impl Record {
         let above = self.entries.last().is_none_or(|e| e.position < position);
         self.ascending &= position != NO_POS && above;
         append_key(&mut self.keys, key);
-        self.hashes.push(hash);
         self.entries.push(Entry {
+            hash,
             position,
             id,
             flags: 0,
@@ -319,8 +320,8 @@ impl Record {
         }
         self.big_filter.clear();
         self.big_filter.resize(words, 0);
-        for &h in &self.hashes {
-            let (w, bit) = filter_bit(h, words);
+        for e in &self.entries {
+            let (w, bit) = filter_bit(e.hash, words);
             self.big_filter[w] |= bit;
         }
         self.words = u32::try_from(words).expect("a record's filter has fewer than 2^32 words");
@@ -370,29 +371,34 @@ impl Record {
             let r = a as usize..b as usize + 1;
             self.keys
                 .extend_from_slice(&run.keys[r.start * kl..r.end * kl]);
-            self.hashes.extend_from_slice(&run.hashes[r.clone()]);
-            let entry = |(i, &id)| Entry {
-                position: position(i),
+            let ids = match ids {
+                Ids::OfRun => &run.ids[r.clone()],
+                Ids::Given(ids) => &ids[..m],
+            };
+            let hashes = run.hashes[r.clone()].iter().zip(ids);
+            let entry = |(&hash, &id), position| Entry {
+                hash,
+                position,
                 id,
                 flags,
                 offer,
             };
-            match ids {
-                Ids::OfRun => self
+            match run.positions.get(r) {
+                Some(p) => self
                     .entries
-                    .extend(r.clone().zip(&run.ids[r.clone()]).map(entry)),
-                Ids::Given(ids) => self.entries.extend(r.zip(ids).map(entry)),
+                    .extend(hashes.zip(p).map(|(h, &p)| entry(h, p))),
+                None => self.entries.extend(hashes.map(|h| entry(h, NO_POS))),
             }
         } else {
             for (j, &i) in indices.iter().enumerate() {
                 let i = i as usize;
                 append_key(&mut self.keys, &run.keys[i * kl..(i + 1) * kl]);
-                self.hashes.push(run.hashes[i]);
                 let id = match ids {
                     Ids::OfRun => run.ids[i],
                     Ids::Given(ids) => ids[j],
                 };
                 self.entries.push(Entry {
+                    hash: run.hashes[i],
                     position: position(i),
                     id,
                     flags,
@@ -504,13 +510,12 @@ impl Record {
         } else if self.loose || self.len() > FILTER_CLEAR_KEYS {
             self.filter = [0; FILTER_MIN_WORDS];
         } else {
-            for &h in &self.hashes {
-                self.filter[filter_bit(h, FILTER_MIN_WORDS).0] = 0;
+            for e in &self.entries {
+                self.filter[filter_bit(e.hash, FILTER_MIN_WORDS).0] = 0;
             }
         }
         self.loose = false;
         self.keys.clear();
-        self.hashes.clear();
         self.entries.clear();
         self.unpositioned = 0;
         self.ascending = true;
@@ -615,7 +620,7 @@ impl Records {
             {
                 return Err(format!("request record {i}: inconsistent lengths"));
             }
-            for (j, &h) in r.hashes.iter().enumerate() {
+            for (j, &Entry { hash: h, .. }) in r.entries.iter().enumerate() {
                 let key = r.key(j, key_len);
                 let f = r.filter_words();
                 let (w, bit) = filter_bit(h, f.len());

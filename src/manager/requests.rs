@@ -262,7 +262,7 @@ impl Manager {
         self.scratch_flags.clear();
         for &j in &self.scratch_order {
             let (key, e) = (rec.key(j as usize, kl), &rec.entries[j as usize]);
-            let (id, hash) = (e.id, rec.hashes[j as usize]);
+            let (id, hash) = (e.id, e.hash);
             let kept = self
                 .slots
                 .get(id as usize)
