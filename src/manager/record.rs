@@ -366,8 +366,9 @@ impl Record {
         let (kl, before) = (run.key_len, self.entries.last().map(|e| e.position));
         let position = |i: usize| run.positions.get(i).copied().unwrap_or(NO_POS);
         if b - a + 1 == m as u32 && m > 4 {
-            // A longer contiguous run of the call's keys (the usual case): one copy per field;
-            // a short run is copied key by key (cheaper than calls to copy).
+            // A longer contiguous run of the call's keys (the usual case): one copy of their
+            // bytes and one pass writing their entries; a short run is copied key by key
+            // (cheaper than calls to copy).
             let r = a as usize..b as usize + 1;
             self.keys
                 .extend_from_slice(&run.keys[r.start * kl..r.end * kl]);
